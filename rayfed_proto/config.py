@@ -1,0 +1,362 @@
+"""One typed experiment config: YAML in, validated object out, every error naming the key.
+
+The same object drives a single run, a Tune trial and a cluster job. Validation happens in
+two layers, both before Ray starts:
+
+* field types, ranges and allowed literals (pydantic, ``extra="forbid"`` so a typo is an error);
+* cross-field rules and registry lookups (unknown algorithm, buffer larger than concurrency,
+  heterogeneous models with an algorithm that averages weights, ...).
+
+Every problem becomes a :class:`ConfigIssue` (key, value, what is allowed) and all of them are
+raised together as one :class:`ConfigError`, which the CLI turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Auto = Literal["auto"]
+
+
+class ConfigIssue(BaseModel):
+    key: str
+    value: Any = None
+    allowed: str
+
+    def __str__(self) -> str:
+        return f"{self.key} = {self.value!r}: {self.allowed}"
+
+
+class ConfigError(ValueError):
+    """One or more invalid config entries; ``issues`` lists them."""
+
+    def __init__(self, issues: list[ConfigIssue], source: str | None = None):
+        self.issues = issues
+        self.source = source
+        head = f"invalid config{f' {source}' if source else ''}"
+        super().__init__(head + ":\n" + "\n".join(f"  - {i}" for i in issues))
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+class PartitionConfig(_Section):
+    """How the dataset is split over clients (see rayfed_proto.data.partition)."""
+
+    name: str = "dirichlet"
+    beta: float = Field(0.1, gt=0, description="Dirichlet concentration; smaller = more skew")
+    min_samples: int = Field(10, ge=1, description="Dirichlet: resample until every client has this many")
+    classes_per_client: int = Field(2, ge=1, description="pathological: k classes per client")
+    n_way: int = Field(5, ge=1, description="n-way k-shot: classes per client")
+    k_shot: int = Field(20, ge=1, description="n-way k-shot: samples per class per client")
+    k_shot_std: float = Field(0.0, ge=0, description="n-way k-shot: std of k across clients")
+
+
+class DataConfig(_Section):
+    name: str = "digits"
+    root: str = "./data"
+    download: bool = False
+    path: Optional[str] = Field(None, description="npz file or image folder for name=npz/folder")
+    image_size: int = Field(32, ge=4, le=512, description="images are resized to this side")
+    # synthetic only
+    num_samples: int = Field(2000, ge=1, description="synthetic: number of images")
+    num_classes: int = Field(10, ge=2, description="synthetic: number of classes")
+    channels: Literal[1, 3] = Field(1, description="synthetic: image channels")
+    test_fraction: float = Field(0.25, gt=0, lt=1, description="per-client stratified test share")
+    partition: PartitionConfig = PartitionConfig()
+
+
+class ModelConfig(_Section):
+    group: str = "small_hetero"
+    feature_dim: int = Field(512, ge=2)
+
+
+class TrainingConfig(_Section):
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(10, ge=1)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class FederationConfig(_Section):
+    mode: Literal["async", "sync"] = "async"
+    num_clients: int = Field(20, ge=1)
+    rounds: int = Field(50, ge=1, description="number of server versions to produce")
+    participation: float = Field(1.0, description="sync: fraction rho of clients sampled per round")
+    concurrency: Union[Auto, int] = Field("auto", description="client updates in flight (async)")
+    buffer_size: int = Field(2, ge=1, description="async: updates aggregated per server version (K)")
+    staleness_exponent: float = Field(0.5, ge=0, description="weight (1 + staleness)^(-a)")
+    max_staleness: int = Field(20, ge=0, description="async: older updates are dropped and counted")
+    eval_every: int = Field(5, ge=1, description="evaluate all clients every this many versions")
+
+    @field_validator("participation")
+    @classmethod
+    def _participation(cls, v: float) -> float:
+        if not (0 < v <= 1):
+            raise ValueError("must be in (0, 1]")
+        return v
+
+    @field_validator("concurrency")
+    @classmethod
+    def _concurrency(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("must be 'auto' or an integer >= 1")
+        return v
+
+
+class ResourcesConfig(_Section):
+    address: Optional[str] = Field(None, description="Ray address (None: start a local instance)")
+    num_cpus: Optional[int] = Field(None, ge=1, description="local Ray instance: CPUs to declare")
+    num_gpus: Optional[float] = Field(None, ge=0, description="local Ray instance: GPUs to declare")
+    clients_per_actor: int = Field(1, ge=1)
+    client_num_cpus: Union[Auto, float] = "auto"
+    client_num_gpus: Union[Auto, float] = "auto"
+    server_num_cpus: Union[Auto, float] = "auto"
+    server_num_gpus: Union[Auto, float] = "auto"
+    torch_threads: Union[Auto, int] = "auto"
+
+    @field_validator("client_num_cpus", "client_num_gpus", "server_num_cpus", "server_num_gpus")
+    @classmethod
+    def _share(cls, v):
+        if v != "auto" and v < 0:
+            raise ValueError("must be 'auto' or a number >= 0")
+        return v
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    tracking_uri: Optional[str] = Field(
+        None, description="None: $MLFLOW_TRACKING_URI, else MLflow's default sqlite:///mlflow.db"
+    )
+    experiment_name: str = "rayfed_proto"
+    run_name: Optional[str] = None
+    output_dir: str = Field("runs", description="local folder for artifacts before upload")
+
+
+class AlgorithmConfig(BaseModel):
+    """``name`` plus that algorithm's own options, validated against its Options model."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = "fedtgp"
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class ExperimentConfig(_Section):
+    seed: int = 0
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    training: TrainingConfig = TrainingConfig()
+    federation: FederationConfig = FederationConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    # ------------------------------------------------------------------ derived
+    def algorithm_options(self):
+        """The algorithm's typed Options object (validated)."""
+        from rayfed_proto.algorithms import ALGORITHMS
+
+        return ALGORITHMS.get(self.algorithm.name).Options(**self.algorithm.options())
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """Flattened ``a.b.c -> value`` view (for MLflow params)."""
+        return flatten(self.to_dict())
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cur = d
+    for p in parts[:-1]:
+        nxt = cur.get(p)
+        if nxt is None:
+            nxt = cur[p] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError([ConfigIssue(key=dotted, value=value, allowed=f"{p!r} is not a section")])
+        cur = nxt
+    cur[parts[-1]] = value
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``federation.mode=sync`` -> ('federation.mode', 'sync'); values parsed as YAML scalars."""
+    if "=" not in item:
+        raise ConfigError([ConfigIssue(key=item, value=None, allowed="overrides look like KEY=VALUE")])
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError([ConfigIssue(key=item, value=raw, allowed="overrides look like KEY=VALUE")])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _loc_to_key(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and p.startswith("function-")))
+
+
+def _dig(d: Any, loc: tuple) -> Any:
+    cur = d
+    for p in loc:
+        if isinstance(cur, dict) and p in cur:
+            cur = cur[p]
+        else:
+            return None
+    return cur
+
+
+def _issues_from_validation(err: ValidationError, raw: dict, prefix: str = "") -> list[ConfigIssue]:
+    issues = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("literal", "int", "float", "str", "bool"))
+        # pydantic reports a union's branch names ('function-after[...]', 'literal[...]'): drop them
+        loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function"))))
+        key = prefix + _loc_to_key(loc)
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif msg.startswith("Value error, "):
+            msg = msg[len("Value error, ") :]
+        value = e.get("input", _dig(raw, loc))
+        if isinstance(value, dict):
+            value = _dig(raw, loc)
+        issues.append(ConfigIssue(key=key, value=value, allowed=msg))
+    # a union of 'auto' and a number reports both branches; keep one line per key
+    seen: dict[str, ConfigIssue] = {}
+    for i in issues:
+        if i.key in seen:
+            seen[i.key].allowed = f"{seen[i.key].allowed}; or {i.allowed}"
+        else:
+            seen[i.key] = i
+    return list(seen.values())
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None, source: str | None = None) -> ExperimentConfig:
+    """Validate a raw dict (plus ``KEY=VALUE`` overrides) into an :class:`ExperimentConfig`."""
+    raw = copy.deepcopy(raw or {})
+    if not isinstance(raw, dict):
+        raise ConfigError([ConfigIssue(key="<root>", value=type(raw).__name__, allowed="a mapping")], source)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        _set_dotted(raw, key, value)
+    try:
+        cfg = ExperimentConfig(**raw)
+    except ValidationError as err:
+        raise ConfigError(_issues_from_validation(err, raw), source) from None
+    issues = semantic_issues(cfg)
+    if issues:
+        raise ConfigError(issues, source)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed="an existing YAML file")])
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed=f"valid YAML ({e})")]) from None
+    return build_config(raw, overrides, str(path) if path else None)
+
+
+def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """Rules that span fields or need the registries."""
+    from rayfed_proto.algorithms import ALGORITHMS
+    from rayfed_proto.data import DATASETS, PARTITIONERS
+    from rayfed_proto.models import MODEL_GROUPS
+
+    issues: list[ConfigIssue] = []
+
+    def check_name(key: str, value: str, registry) -> bool:
+        if value not in registry:
+            issues.append(ConfigIssue(key=key, value=value, allowed="one of " + ", ".join(registry.names())))
+            return False
+        return True
+
+    algo_cls = None
+    if check_name("algorithm.name", cfg.algorithm.name, ALGORITHMS):
+        algo_cls = ALGORITHMS.get(cfg.algorithm.name)
+        try:
+            algo_cls.Options(**cfg.algorithm.options())
+        except ValidationError as err:
+            issues.extend(_issues_from_validation(err, cfg.algorithm.options(), prefix="algorithm."))
+    check_name("data.name", cfg.data.name, DATASETS)
+    check_name("data.partition.name", cfg.data.partition.name, PARTITIONERS)
+    group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)
+
+    if algo_cls is not None and group_ok and algo_cls.requires_homogeneous_models:
+        archs = MODEL_GROUPS.get(cfg.model.group)
+        if len(set(archs[: cfg.federation.num_clients])) > 1:
+            issues.append(ConfigIssue(
+                key="model.group", value=cfg.model.group,
+                allowed=f"{cfg.algorithm.name} averages model weights, so every client needs the same "
+                f"architecture; use a single-architecture group ({', '.join(g for g in MODEL_GROUPS.names() if len(set(MODEL_GROUPS.get(g))) == 1)})",
+            ))
+
+    if cfg.data.name in ("npz", "folder") and not cfg.data.path:
+        issues.append(ConfigIssue(key="data.path", value=None, allowed=f"a path is required when data.name is {cfg.data.name!r}"))
+
+    fed = cfg.federation
+    if fed.concurrency != "auto" and fed.concurrency > fed.num_clients:
+        issues.append(ConfigIssue(key="federation.concurrency", value=fed.concurrency,
+                                  allowed=f"at most federation.num_clients ({fed.num_clients})"))
+    if fed.mode == "async":
+        conc = fed.concurrency if fed.concurrency != "auto" else fed.num_clients
+        if fed.buffer_size > conc:
+            issues.append(ConfigIssue(key="federation.buffer_size", value=fed.buffer_size,
+                                      allowed=f"at most federation.concurrency ({conc}); a larger buffer never fills"))
+    if fed.eval_every > fed.rounds:
+        issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
+                                  allowed=f"at most federation.rounds ({fed.rounds})"))
+    res = cfg.resources
+    if res.clients_per_actor > fed.num_clients:
+        issues.append(ConfigIssue(key="resources.clients_per_actor", value=res.clients_per_actor,
+                                  allowed=f"at most federation.num_clients ({fed.num_clients})"))
+    if res.client_num_gpus != "auto" and res.client_num_gpus > 1 and not float(res.client_num_gpus).is_integer():
+        issues.append(ConfigIssue(key="resources.client_num_gpus", value=res.client_num_gpus,
+                                  allowed="a fraction <= 1 or a whole number of GPUs (Ray's rule)"))
+    return issues
+
+
+def clients_per_round(cfg: ExperimentConfig) -> int:
+    return max(1, math.ceil(cfg.federation.participation * cfg.federation.num_clients))
