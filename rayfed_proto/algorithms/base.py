@@ -1,0 +1,238 @@
+"""The algorithm interface: a client part, a server part and typed options. No Ray here.
+
+A method is one module defining an :class:`Algorithm` subclass and registering it::
+
+    @ALGORITHMS.register("fedfoo")
+    class FedFoo(Algorithm):
+        Options = FedFooOptions          # pydantic model: its fields are the config's algorithm.*
+        Client = FedFooClient            # local loss, what to upload, how to use the broadcast
+        Server = FedFooServer            # how to fold updates in, what to train, what to broadcast
+
+The runtime only ever calls the hooks below (Flower's Strategy idea, without the transport).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Literal, Optional
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from rayfed_proto.algorithms.common import (
+    PrototypeBank,
+    aggregate_prototypes,
+    local_prototypes,
+    staleness_weight,
+)
+from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+
+
+class Options(BaseModel):
+    """Base of every algorithm's options: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class FederationSpec:
+    """What both parts know about the federation before it starts."""
+
+    num_clients: int
+    num_classes: int
+    feature_dim: int
+    seed: int = 0
+    staleness_exponent: float = 0.5  # a in (1 + staleness)^(-a)
+    # Builds a fresh model with the (homogeneous) client architecture; used by methods whose
+    # server holds a global model (FedAvg). None for heterogeneous groups.
+    build_model: Optional[Callable[[], torch.nn.Module]] = None
+
+
+@dataclass
+class TrainBatchIterator:
+    """Seeded mini-batches over a client's training tensors (the generator state is saved)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    batch_size: int
+    generator: torch.Generator
+
+    def epoch(self):
+        order = torch.randperm(len(self.y), generator=self.generator)
+        for i in range(0, len(order), self.batch_size):
+            idx = order[i : i + self.batch_size]
+            yield self.x[idx], self.y[idx]
+
+
+class ClientAlgorithm:
+    """Client part; one instance per client, holding that client's algorithm state."""
+
+    def __init__(self, options: Options, spec: FederationSpec, client_id: int):
+        self.options, self.spec, self.client_id = options, spec, client_id
+        self.guidance: Optional[PrototypeSet] = None
+        self.version = 0
+
+    # -- receiving -------------------------------------------------------------------------
+    def receive(self, state: GlobalState, model: torch.nn.Module) -> None:
+        """Take in the broadcast before training or evaluation (default: keep its bank)."""
+        self.version = state.version
+        self.guidance = state.prototypes
+
+    # -- training ----------------------------------------------------------------------------
+    def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """Local objective on one mini-batch -> (loss, {term name: value})."""
+        _, logits = model.forward_features(x)
+        ce = torch.nn.functional.cross_entropy(logits, y)
+        return ce, {"ce": float(ce)}
+
+    def local_train(self, model, optimizer, batches: TrainBatchIterator, epochs: int, device) -> dict[str, float]:
+        """Default local update: ``epochs`` passes of SGD on :meth:`loss`; returns mean terms."""
+        model.train()
+        totals: dict[str, float] = {}
+        steps = 0
+        for _ in range(epochs):
+            for xb, yb in batches.epoch():
+                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+                optimizer.zero_grad(set_to_none=True)
+                loss, terms = self.loss(model, xb, yb)
+                loss.backward()
+                optimizer.step()
+                steps += 1
+                totals["loss"] = totals.get("loss", 0.0) + float(loss)
+                for k, v in terms.items():
+                    totals[k] = totals.get(k, 0.0) + v
+        return {k: v / max(steps, 1) for k, v in totals.items()}
+
+    def make_update(self, model, x: torch.Tensor, y: torch.Tensor) -> ClientUpdate:
+        """What to upload after training (default: local prototypes of the held classes)."""
+        return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y),
+                            prototypes=local_prototypes(model, x, y))
+
+    # -- inference ---------------------------------------------------------------------------
+    def inference_bank(self) -> Optional[PrototypeSet]:
+        """Vectors for nearest-prototype inference (None: the method has no such mode)."""
+        return self.guidance
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = int(state.get("version", 0))
+
+
+class ServerAlgorithm:
+    """Server part: folds updates into the global state, trains server modules, broadcasts."""
+
+    def __init__(self, options: Options, spec: FederationSpec, device: torch.device):
+        self.options, self.spec, self.device = options, spec, device
+
+    def weight_shapes(self) -> Optional[dict[str, tuple[int, ...]]]:
+        """Expected shapes of uploaded weights (None: this method uploads no weights)."""
+        return None
+
+    def aggregate(self, updates: list[ClientUpdate], weights: list[float], version: int) -> dict[str, float]:
+        """Fold a buffer of accepted updates (with their staleness weights) into the global
+        state that becomes ``version``; train server-side modules; return metrics."""
+        raise NotImplementedError
+
+    def broadcast(self, version: int) -> GlobalState:
+        raise NotImplementedError
+
+    def guidance_bank(self) -> Optional[PrototypeSet]:
+        """The bank whose margin is tracked (None if the method has none)."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Algorithm:
+    """A registered method: options, client part, server part and two capability flags."""
+
+    Options: ClassVar[type[Options]] = Options
+    Client: ClassVar[type[ClientAlgorithm]] = ClientAlgorithm
+    Server: ClassVar[type[ServerAlgorithm]] = ServerAlgorithm
+    # Methods that average weights need one architecture for every client (config checks it).
+    requires_homogeneous_models: ClassVar[bool] = False
+
+
+# ----------------------------------------------------------------------------- prototype methods
+
+
+class PrototypeOptions(Options):
+    """Options shared by the prototype methods (FedProto, FedTGP and later ones)."""
+
+    lam: float = Field(1.0, ge=0, description="weight of the alignment term (lambda)")
+    aggregation: Literal["weighted", "uniform"] = Field(
+        "weighted", description="per-class mean of uploads: sample-weighted (FedSA Eq. 3) or uniform (FedProto code)")
+    alignment_reduction: Literal["mean", "sum"] = Field(
+        "mean", description="||f - P||^2 per dimension (reference code, default) or summed (as printed)")
+    aggregation_scope: Literal["buffer", "latest"] = Field(
+        "buffer", description="aggregate the buffered updates only, or every client's latest upload (staleness-weighted)")
+
+
+class PrototypeServer(ServerAlgorithm):
+    """Common server of prototype methods: staleness-weighted per-class aggregation into a bank.
+
+    ``aggregation_scope="buffer"`` (ALGORITHMS.md): a version aggregates the buffered updates and
+    classes nobody uploaded keep their last vector. ``"latest"``: the server remembers each
+    client's most recent upload and aggregates all of them, each weighted by its age
+    (1 + version - received)^(-a); with full synchronous participation both are identical.
+    """
+
+    options: PrototypeOptions
+
+    def __init__(self, options: PrototypeOptions, spec: FederationSpec, device: torch.device):
+        super().__init__(options, spec, device)
+        self.bank = PrototypeBank(spec.num_classes, spec.feature_dim)
+        self.latest: dict[int, tuple[PrototypeSet, int]] = {}  # client -> (upload, version received)
+
+    def _pairs(self, updates: list[ClientUpdate], weights: list[float], version: int) -> tuple[list[PrototypeSet], list[float]]:
+        sets, ws = [], []
+        if self.options.aggregation_scope == "latest":
+            for u in updates:
+                if u.prototypes is not None:
+                    self.latest[u.client_id] = (u.prototypes, version - 1)
+            for ps, received in self.latest.values():
+                sets.append(ps)
+                ws.append(staleness_weight(version - 1 - received, self.spec.staleness_exponent))
+        else:
+            for u, w in zip(updates, weights):
+                if u.prototypes is not None and len(u.prototypes):
+                    sets.append(u.prototypes)
+                    ws.append(w)
+        return sets, ws
+
+    def aggregate(self, updates, weights, version):
+        sets, ws = self._pairs(updates, weights, version)
+        self.bank.update(aggregate_prototypes(sets, ws, self.options.aggregation), version)
+        return {}
+
+    def broadcast(self, version: int) -> GlobalState:
+        return GlobalState(version=version, prototypes=self.bank.as_set())
+
+    def guidance_bank(self) -> Optional[PrototypeSet]:
+        return self.bank.as_set()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bank": self.bank.state_dict(),
+                "latest": {c: (ps, v) for c, (ps, v) in self.latest.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.bank.load_state_dict(state["bank"])
+        self.latest = dict(state.get("latest", {}))
+
+
+def as_numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
+    """A module's parameters and buffers as numpy arrays (the weight-exchange format)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in module.state_dict().items()}
+
+
+def load_numpy_state(module: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
+    device = next(module.parameters()).device
+    module.load_state_dict({k: torch.as_tensor(v, device=device) for k, v in weights.items()})

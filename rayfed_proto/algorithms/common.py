@@ -1,0 +1,168 @@
+"""Pieces every prototype method shares: distances, local prototypes, aggregation, the bank.
+
+Plain PyTorch / numpy; unit-tested on tiny tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from rayfed_proto.messages import PrototypeSet
+
+
+def safe_cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Pairwise d(a_i, b_j) = sqrt(max(||a_i - b_j||^2, 1e-12)) (ALGORITHMS.md notation).
+
+    The clamp keeps the gradient finite when a feature coincides with a prototype.
+    """
+    sq = (a * a).sum(1, keepdim=True) - 2 * a @ b.T + (b * b).sum(1).unsqueeze(0)
+    return torch.sqrt(torch.clamp(sq, min=1e-12))
+
+
+def staleness_weight(staleness: float, exponent: float) -> float:
+    """(1 + staleness)^(-a): this platform's asynchrony rule (ALGORITHMS.md, "Asynchrony")."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return float((1.0 + staleness) ** (-exponent))
+
+
+@torch.no_grad()
+def local_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batch_size: int = 256) -> PrototypeSet:
+    """Mean feature per class over the whole local training split (FedSA Eq. 2).
+
+    Decision (ALGORITHMS.md): after local training, eval mode, no gradients; only classes the
+    client holds are returned, with their sample counts.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    feats = torch.cat([model.features(x[i : i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)])
+    model.train(was_training)
+    classes, counts = torch.unique(y, return_counts=True)
+    sums = torch.zeros(len(classes), feats.shape[1]).index_add_(0, torch.searchsorted(classes, y), feats)
+    protos = sums / counts.unsqueeze(1).float()
+    return PrototypeSet(classes.numpy().astype(np.int64), protos.numpy().astype(np.float32), counts.numpy().astype(np.int64))
+
+
+def aggregate_prototypes(
+    sets: Iterable[PrototypeSet],
+    weights: Iterable[float],
+    mode: Literal["weighted", "uniform"] = "weighted",
+) -> dict[int, tuple[np.ndarray, float]]:
+    """Per-class weighted mean of uploaded prototypes -> {class: (vector, total weight)}.
+
+    ``weighted`` (default): sum_i w_i n_i^c P_i^c / sum_i w_i n_i^c, the sample-weighted mean of
+    FedSA Eq. 3 (the paper prints an extra 1/|N_c| factor that would shrink prototypes of
+    classes held by many clients; ALGORITHMS.md reads it as the weighted mean). ``uniform``:
+    sum_i w_i P_i^c / sum_i w_i (FedProto code, FedSAP Eq. 2). ``w_i`` is the update's
+    staleness weight (1 in sync mode).
+    """
+    acc: dict[int, list] = {}
+    for ps, w in zip(sets, weights):
+        for c, vec, n in zip(ps.class_ids, ps.vectors, ps.counts):
+            coef = float(w) * (float(n) if mode == "weighted" else 1.0)
+            slot = acc.setdefault(int(c), [np.zeros_like(vec, dtype=np.float64), 0.0])
+            slot[0] += coef * vec.astype(np.float64)
+            slot[1] += coef
+    return {c: ((s / tot).astype(np.float32), tot) for c, (s, tot) in acc.items() if tot > 0}
+
+
+class PrototypeBank:
+    """Global bank: one vector per class plus the server version that last updated it.
+
+    Decision (ALGORITHMS.md): a class nobody uploaded keeps its last vector; a class that never
+    had one is absent (skipped in losses and in nearest-prototype prediction).
+    """
+
+    def __init__(self, num_classes: int, dim: int):
+        self.num_classes, self.dim = num_classes, dim
+        self.vectors = np.zeros((num_classes, dim), np.float32)
+        self.present = np.zeros(num_classes, bool)
+        self.updated_at = np.full(num_classes, -1, np.int64)
+        self.weight = np.zeros(num_classes, np.float64)
+
+    def update(self, new: dict[int, tuple[np.ndarray, float]], version: int) -> None:
+        for c, (vec, w) in new.items():
+            self.vectors[c] = vec
+            self.present[c] = True
+            self.updated_at[c] = version
+            self.weight[c] = w
+
+    def as_set(self) -> PrototypeSet:
+        ids = np.flatnonzero(self.present).astype(np.int64)
+        return PrototypeSet(ids, self.vectors[ids].copy(), np.maximum(self.weight[ids], 1).astype(np.int64))
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {"vectors": self.vectors.copy(), "present": self.present.copy(),
+                "updated_at": self.updated_at.copy(), "weight": self.weight.copy()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        for k in ("vectors", "present", "updated_at", "weight"):
+            setattr(self, k, np.array(state[k]))
+
+
+def prototype_margin(vectors: np.ndarray) -> tuple[float, float]:
+    """(min, mean) over classes of the distance to the nearest other class vector.
+
+    The "prototype margin" tracked per evaluation: how separable the guidance bank is.
+    Needs at least two vectors; returns (nan, nan) otherwise.
+    """
+    if len(vectors) < 2:
+        return float("nan"), float("nan")
+    v = torch.as_tensor(np.asarray(vectors, np.float32))
+    d = safe_cdist(v, v)
+    d.fill_diagonal_(float("inf"))
+    nearest = d.min(1).values
+    return float(nearest.min()), float(nearest.mean())
+
+
+def nearest_prototype_predict(features: torch.Tensor, bank: Optional[PrototypeSet]) -> Optional[torch.Tensor]:
+    """Class of the nearest bank vector for each feature (prototype inference mode)."""
+    if bank is None or len(bank) == 0:
+        return None
+    vecs = torch.as_tensor(bank.vectors, dtype=features.dtype, device=features.device)
+    ids = torch.as_tensor(bank.class_ids, device=features.device)
+    return ids[safe_cdist(features, vecs).argmin(1)]
+
+
+def bank_tensors(bank: Optional[PrototypeSet], num_classes: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (C, D) tensor of bank vectors and a (C,) bool mask of the classes present."""
+    if bank is None or len(bank) == 0:
+        return torch.zeros(num_classes, 0, device=device), torch.zeros(num_classes, dtype=torch.bool, device=device)
+    dense = torch.zeros(num_classes, bank.vectors.shape[1], device=device)
+    ids = torch.as_tensor(bank.class_ids, device=device)
+    dense[ids] = torch.as_tensor(bank.vectors, device=device)
+    mask = torch.zeros(num_classes, dtype=torch.bool, device=device)
+    mask[ids] = True
+    return dense, mask
+
+
+def alignment_loss(
+    features: torch.Tensor, labels: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor,
+    reduction: Literal["sum", "mean"] = "mean",
+) -> torch.Tensor:
+    """||f(x) - P^y||^2 averaged over the samples whose class has a target (FedSA Eq. 4, L_R).
+
+    ``reduction="sum"``: the squared Euclidean norm over dimensions, as printed.
+    ``reduction="mean"``: divided by D, i.e. ``nn.MSELoss`` as in the FedProto and FedTGP
+    public code, whose lambda values (1, 10) were tuned at that scale.
+    """
+    if targets.numel() == 0:
+        return features.sum() * 0.0
+    keep = mask[labels]
+    if not bool(keep.any()):
+        return features.sum() * 0.0
+    diff = features[keep] - targets[labels[keep]]
+    per_sample = (diff * diff).sum(1)
+    if reduction == "mean":
+        per_sample = per_sample / features.shape[1]
+    return per_sample.mean()
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels)
+

@@ -1,0 +1,42 @@
+"""FedProto (Tan et al. AAAI 2022), as restated in FedSA Eq. 2-4.
+
+Client: CE(h(f(x)), y) + lambda * ||f(x) - P^y||^2 over samples whose class has a global
+prototype (FedSA Eq. 4). Server: per-class weighted mean of uploaded prototypes (FedSA Eq. 3).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from pydantic import Field
+
+from rayfed_proto.algorithms import ALGORITHMS
+from rayfed_proto.algorithms.base import Algorithm, ClientAlgorithm, PrototypeOptions, PrototypeServer
+from rayfed_proto.algorithms.common import alignment_loss, bank_tensors
+
+
+class FedProtoOptions(PrototypeOptions):
+    lam: float = Field(1.0, ge=0, description="alignment weight lambda (FedTGP's scripts use 10)")
+
+
+class PrototypeAlignmentClient(ClientAlgorithm):
+    """CE plus lambda times the squared distance to the broadcast vector of each sample's class."""
+
+    options: FedProtoOptions
+
+    def alignment_weight(self) -> float:
+        return self.options.lam
+
+    def loss(self, model, x, y):
+        feats, logits = model.forward_features(x)
+        ce = F.cross_entropy(logits, y)  # L_S of FedSA Eq. 4
+        targets, mask = bank_tensors(self.guidance, self.spec.num_classes, feats.device)
+        align = alignment_loss(feats, y, targets, mask, self.options.alignment_reduction)  # L_R, FedSA Eq. 4
+        lam = self.alignment_weight()
+        return ce + lam * align, {"ce": float(ce), "align": float(align)}
+
+
+@ALGORITHMS.register("fedproto", help="FedProto: align features to aggregated class prototypes")
+class FedProto(Algorithm):
+    Options = FedProtoOptions
+    Client = PrototypeAlignmentClient
+    Server = PrototypeServer

@@ -1,0 +1,139 @@
+"""FedTGP (Zhang et al. AAAI 2024): trainable global prototypes with an adaptive margin.
+
+As described in ALGORITHMS.md (and in FedSA / FedProtoKD related work): the server keeps a
+generator G: class embedding E (N(0,1) init) -> Linear(D, H) -> ReLU -> Linear(H, D). After each
+aggregation it computes the class means P^c of the uploaded prototypes, the adaptive margin
+delta = min(max_c min_{c' != c} d(P^c, P^c'), tau), and trains G for ``server_epochs`` on the
+uploaded (p, c) pairs with the margin-enhanced contrastive loss
+    CE over c' of logits -(d(p, G(c')) + delta * [c' = c]).
+It broadcasts G(c) for every class that has ever been uploaded. Clients use FedProto's loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from rayfed_proto.algorithms import ALGORITHMS
+from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer
+from rayfed_proto.algorithms.common import aggregate_prototypes, safe_cdist
+from rayfed_proto.algorithms.fedproto import PrototypeAlignmentClient
+
+
+class FedTGPOptions(PrototypeOptions):
+    lam: float = Field(10.0, ge=0, description="alignment weight lambda (FedTGP reference: 10)")
+    margin_threshold: float = Field(100.0, gt=0, description="tau: upper bound of the adaptive margin")
+    server_epochs: int = Field(100, ge=0, description="generator epochs per server version")
+    server_lr: float = Field(0.01, gt=0, description="generator SGD learning rate")
+    server_batch_size: int = Field(10, ge=1, description="generator mini-batch of (prototype, class) pairs")
+    hidden_dim: int = Field(0, ge=0, description="generator hidden width (0: feature_dim)")
+
+
+class PrototypeGenerator(torch.nn.Module):
+    """G(c) = W2 ReLU(W1 E[c] + b1) + b2 with E ~ N(0, 1) (nn.Embedding's init)."""
+
+    def __init__(self, num_classes: int, feature_dim: int, hidden_dim: int):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(num_classes, feature_dim)
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(feature_dim, hidden_dim), torch.nn.ReLU(), torch.nn.Linear(hidden_dim, feature_dim))
+
+    def forward(self, class_ids: torch.Tensor) -> torch.Tensor:
+        return self.net(self.embedding(class_ids))
+
+
+def adaptive_margin(class_means: torch.Tensor, threshold: float) -> float:
+    """delta = min(max_c gap_c, tau), gap_c = min_{c' != c} d(P^c, P^c') (FedTGP).
+
+    ``class_means`` holds one row per uploaded class. With fewer than two classes no gap is
+    defined and the margin is the threshold (FedTGP's code reaches the same value: every gap
+    stays at its 1e9 initialisation and is clipped by tau).
+    """
+    if len(class_means) < 2:
+        return float(threshold)
+    d = safe_cdist(class_means, class_means)
+    d.fill_diagonal_(float("inf"))
+    gaps = d.min(1).values
+    return float(min(float(gaps.max()), threshold))
+
+
+def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, generated: torch.Tensor, margin: float) -> torch.Tensor:
+    """CE(-(d(p, G(c')) + delta [c' = y]), y), averaged over the pairs (FedTGP server loss)."""
+    dist = safe_cdist(protos, generated)
+    dist = dist + margin * F.one_hot(labels, generated.shape[0]).to(dist.dtype)
+    return F.cross_entropy(-dist, labels)
+
+
+class FedTGPServer(PrototypeServer):
+    options: FedTGPOptions
+
+    def __init__(self, options: FedTGPOptions, spec, device):
+        super().__init__(options, spec, device)
+        torch.manual_seed(spec.seed)
+        hidden = options.hidden_dim or spec.feature_dim
+        self.generator = PrototypeGenerator(spec.num_classes, spec.feature_dim, hidden).to(device)
+        self.seen = np.zeros(spec.num_classes, bool)
+        self.shuffle = torch.Generator().manual_seed(spec.seed)
+        self.margin = float(options.margin_threshold)
+
+    def aggregate(self, updates, weights, version):
+        sets, ws = self._pairs(updates, weights, version)
+        if not sets:
+            return {}
+        means = aggregate_prototypes(sets, ws, "uniform")  # P^c: mean of the uploaded prototypes
+        classes = sorted(means)
+        self.margin = adaptive_margin(torch.tensor(np.stack([means[c][0] for c in classes])), self.options.margin_threshold)
+        protos = torch.tensor(np.concatenate([ps.vectors for ps in sets]), device=self.device)
+        labels = torch.tensor(np.concatenate([ps.class_ids for ps in sets]), device=self.device)
+        loss = self._train_generator(protos, labels)
+        self.seen[classes] = True
+        self._refresh_bank(version)
+        return {"server_loss": loss, "server_margin": self.margin}
+
+    def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor) -> float:
+        opt = torch.optim.SGD(self.generator.parameters(), lr=self.options.server_lr)
+        all_classes = torch.arange(self.spec.num_classes, device=self.device)
+        self.generator.train()
+        total, steps = 0.0, 0
+        bs = self.options.server_batch_size
+        for _ in range(self.options.server_epochs):
+            order = torch.randperm(len(labels), generator=self.shuffle).to(self.device)
+            for i in range(0, len(order), bs):
+                idx = order[i : i + bs]
+                loss = margin_contrastive_loss(protos[idx], labels[idx], self.generator(all_classes), self.margin)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total, steps = total + float(loss), steps + 1
+        return total / max(steps, 1)
+
+    @torch.no_grad()
+    def _refresh_bank(self, version: int) -> None:
+        self.generator.eval()
+        ids = np.flatnonzero(self.seen)
+        gen = self.generator(torch.as_tensor(ids, device=self.device)).cpu().numpy()
+        self.bank.update({int(c): (gen[i], 1.0) for i, c in enumerate(ids)}, version)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(generator={k: v.cpu().numpy() for k, v in self.generator.state_dict().items()},
+                     seen=self.seen.copy(), margin=self.margin, shuffle=self.shuffle.get_state().numpy())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.generator.load_state_dict({k: torch.as_tensor(v) for k, v in state["generator"].items()})
+        self.seen = np.array(state["seen"])
+        self.margin = float(state["margin"])
+        self.shuffle.set_state(torch.as_tensor(state["shuffle"]))
+
+
+@ALGORITHMS.register("fedtgp", help="FedTGP: server-trained prototype generator with adaptive margin")
+class FedTGP(Algorithm):
+    Options = FedTGPOptions
+    Client = PrototypeAlignmentClient
+    Server = FedTGPServer
