@@ -43,6 +43,10 @@ class ConfigError(ValueError):
         super().__init__(head + ":\n" + "\n".join(f"  - {i}" for i in issues))
 
 
+class InputError(ValueError):
+    """Bad input found before training (dataset, partition, resources, output folder)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

@@ -1,0 +1,1 @@
+"""Runtime: Ray actors, the scheduler, resources and the driver. Knows no algorithm by name."""

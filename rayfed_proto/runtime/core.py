@@ -1,0 +1,200 @@
+"""What actors do, without Ray: a client runner and the server's buffer/version logic.
+
+The Ray actors in :mod:`rayfed_proto.runtime.actors` are thin shells around these classes, so
+the whole update path (train -> message -> validate -> buffer -> aggregate -> broadcast) can be
+tested in-process. Nothing here names an algorithm: the registry resolves ``algorithm.name``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
+from rayfed_proto.algorithms.base import TrainBatchIterator
+from rayfed_proto.algorithms.common import nearest_prototype_predict, prototype_margin, staleness_weight
+from rayfed_proto.config import ExperimentConfig
+from rayfed_proto.data import ArrayDataset, ClientSplit
+from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
+from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
+
+log = logging.getLogger("rayfed_proto")
+
+
+def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int) -> FederationSpec:
+    """The spec both parts share; ``build_model`` only for single-architecture groups."""
+    archs = MODEL_GROUPS.get(cfg.model.group)
+    homogeneous = len(set(archs)) == 1
+    return FederationSpec(
+        num_clients=cfg.federation.num_clients, num_classes=num_classes, feature_dim=cfg.model.feature_dim,
+        seed=cfg.seed, staleness_exponent=cfg.federation.staleness_exponent,
+        build_model=(lambda: build_model(archs[0], in_channels, image_size, num_classes, cfg.model.feature_dim))
+        if homogeneous else None,
+    )
+
+
+def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    t = cfg.training
+    if t.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    return torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+
+class ClientRunner:
+    """One client: its model, optimizer, algorithm state and data shard (train/test tensors)."""
+
+    def __init__(self, cfg: ExperimentConfig, split: ClientSplit, dataset: ArrayDataset, device: torch.device):
+        self.cfg, self.client_id, self.device = cfg, split.client_id, device
+        torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # distinct, reproducible initialisation
+        self.model = build_client_model(cfg.model.group, split.client_id, dataset.channels, dataset.image_size,
+                                        dataset.num_classes, cfg.model.feature_dim).to(device)
+        self.optimizer = make_optimizer(cfg, self.model)
+        algo = ALGORITHMS.get(cfg.algorithm.name)
+        spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size)
+        spec.build_model = None  # clients never need the server's model factory
+        self.algorithm = algo.Client(cfg.algorithm_options(), spec, split.client_id)
+        self.train_x, self.train_y = dataset.tensors(split.train_idx)
+        self.test_x, self.test_y = dataset.tensors(split.test_idx)
+        self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
+                                          torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id))
+        self.last_loss = float("nan")
+
+    def train(self, state: GlobalState) -> tuple[dict[str, Any], ClientUpdate]:
+        """Local update against ``state``: returns (small metadata for the driver, the upload)."""
+        t0 = time.perf_counter()
+        self.algorithm.receive(state, self.model)
+        terms = self.algorithm.local_train(self.model, self.optimizer, self.batches, self.cfg.training.local_epochs, self.device)
+        update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
+        busy = time.perf_counter() - t0
+        self.last_loss = terms.get("loss", float("nan"))
+        meta = {"client_id": self.client_id, "base_version": state.version, "busy_s": busy,
+                "terms": terms, "upload_bytes": update.nbytes, "download_bytes": state.nbytes}
+        return meta, update
+
+    @torch.no_grad()
+    def evaluate(self, state: GlobalState, batch_size: int = 512) -> dict[str, Any]:
+        """Correct counts on the client's test split, head and nearest-prototype modes."""
+        self.algorithm.receive(state, self.model)
+        self.model.eval()
+        bank = self.algorithm.inference_bank()
+        head = proto = 0
+        for i in range(0, len(self.test_y), batch_size):
+            x = self.test_x[i : i + batch_size].to(self.device)
+            y = self.test_y[i : i + batch_size].to(self.device)
+            feats, logits = self.model.forward_features(x)
+            head += int((logits.argmax(1) == y).sum())
+            pred = nearest_prototype_predict(feats, bank)
+            if pred is not None:
+                proto += int((pred == y).sum())
+        self.model.train()
+        return {"client_id": self.client_id, "n": int(len(self.test_y)), "head_correct": head,
+                "proto_correct": proto if bank is not None and len(bank) else None, "train_loss": self.last_loss}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": {k: v.cpu() for k, v in self.model.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict(),
+                "batch_rng": self.batches.generator.get_state(), "last_loss": self.last_loss}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.batches.generator.set_state(state["batch_rng"])
+        self.last_loss = state["last_loss"]
+
+
+@dataclass
+class ServerCounters:
+    accepted: int = 0
+    refused: int = 0
+    dropped_stale: int = 0
+    late: int = 0
+    staleness: list[int] = field(default_factory=list)  # of accepted updates since last read
+    server_train_s: float = 0.0
+    refusals: list[str] = field(default_factory=list)  # last reasons, for the log
+
+
+class ServerCore:
+    """Validation, staleness, buffering and versioning around the algorithm's server part.
+
+    ``buffer_size=None`` means the caller decides when to aggregate (sync mode calls
+    :meth:`step` once the round is complete); otherwise a version is produced each time the
+    buffer holds ``buffer_size`` accepted updates (async, FedBuff-style).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
+                 device: torch.device, buffer_size: Optional[int]):
+        self.cfg = cfg
+        self.buffer_size = buffer_size
+        self.max_staleness = cfg.federation.max_staleness if cfg.federation.mode == "async" else math.inf
+        self.max_version = cfg.federation.rounds
+        spec = federation_spec(cfg, num_classes, in_channels, image_size)
+        self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
+        self.schema = UpdateSchema(spec.num_clients, num_classes, spec.feature_dim, self.algorithm.weight_shapes())
+        self.version = 0
+        self.buffer: list[tuple[ClientUpdate, float]] = []
+        self.counters = ServerCounters()
+        self.margins: dict[int, tuple[float, float]] = {}
+        self.last_metrics: dict[str, float] = {}
+        self._publish()
+
+    def _publish(self) -> None:
+        self.state = self.algorithm.broadcast(self.version)
+        bank = self.algorithm.guidance_bank()
+        self.margins[self.version] = prototype_margin(bank.vectors) if bank is not None else (float("nan"), float("nan"))
+
+    def submit(self, update: Any) -> dict[str, Any]:
+        """Validate and buffer one update; aggregate when the buffer is full. Returns a receipt."""
+        receipt: dict[str, Any] = {"client_id": getattr(update, "client_id", None), "accepted": False}
+        if self.version >= self.max_version:
+            self.counters.late += 1
+            return {**receipt, "reason": "run finished", "version": self.version}
+        reason = validate_update(update, self.schema, self.version)
+        if reason is not None:
+            self.counters.refused += 1
+            self.counters.refusals = (self.counters.refusals + [reason])[-20:]
+            log.warning("refused update from client %s: %s", receipt["client_id"], reason)
+            return {**receipt, "reason": reason, "version": self.version}
+        staleness = self.version - update.base_version
+        if staleness > self.max_staleness:
+            self.counters.dropped_stale += 1
+            return {**receipt, "reason": f"staleness {staleness} > max_staleness {self.max_staleness}",
+                    "version": self.version, "staleness": staleness}
+        self.counters.accepted += 1
+        self.counters.staleness.append(staleness)
+        self.buffer.append((update, staleness_weight(staleness, self.cfg.federation.staleness_exponent)))
+        receipt.update(accepted=True, staleness=staleness, version=self.version)
+        if self.buffer_size is not None and len(self.buffer) >= self.buffer_size:
+            receipt.update(self.step())
+        return receipt
+
+    def step(self) -> dict[str, Any]:
+        """Aggregate the buffer into the next version (also when it is empty: a round passed)."""
+        t0 = time.perf_counter()
+        updates = [u for u, _ in self.buffer]
+        weights = [w for _, w in self.buffer]
+        self.buffer = []
+        self.last_metrics = self.algorithm.aggregate(updates, weights, self.version + 1) if updates else {}
+        self.version += 1
+        self._publish()
+        dt = time.perf_counter() - t0
+        self.counters.server_train_s += dt
+        return {"new_version": self.version, "server_s": dt, "server_metrics": dict(self.last_metrics)}
+
+    def read_stats(self) -> dict[str, Any]:
+        """Counters for the driver; the staleness window restarts at each read."""
+        c = self.counters
+        stale = c.staleness
+        c.staleness = []
+        return {"version": self.version, "accepted": c.accepted, "refused": c.refused,
+                "dropped_stale": c.dropped_stale, "late": c.late, "server_train_s": c.server_train_s,
+                "staleness_mean": float(np.mean(stale)) if stale else 0.0,
+                "staleness_max": int(max(stale)) if stale else 0,
+                "margins": dict(self.margins), "last_refusals": list(c.refusals),
+                "server_metrics": dict(self.last_metrics)}

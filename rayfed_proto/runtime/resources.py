@@ -1,0 +1,83 @@
+"""Turn the config's resource settings and the cluster's totals into per-actor requests.
+
+Ray actors hold their logical CPUs/GPUs for their whole life, so with one actor per client the
+shares must be fractional for every actor to be placed at once (20 clients on 2 CPUs get 0.075
+CPU each). ``auto`` splits what the cluster declares; explicit values are checked against it
+so that an impossible request fails before any actor starts, naming the key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from rayfed_proto.config import ConfigError, ConfigIssue, ExperimentConfig
+
+
+@dataclass
+class ResourcePlan:
+    num_actors: int
+    clients_per_actor: int
+    client_num_cpus: float
+    client_num_gpus: float
+    server_num_cpus: float
+    server_num_gpus: float
+    torch_threads: int
+    concurrency: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _floor(x: float, grain: float = 0.0001) -> float:
+    return math.floor(x / grain) * grain
+
+
+def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: float) -> ResourcePlan:
+    res, fed = cfg.resources, cfg.federation
+    num_actors = math.ceil(fed.num_clients / res.clients_per_actor)
+
+    server_cpus = min(1.0, cluster_cpus / 4) if res.server_num_cpus == "auto" else float(res.server_num_cpus)
+    client_cpus = _floor((cluster_cpus - server_cpus) / num_actors) if res.client_num_cpus == "auto" else float(res.client_num_cpus)
+
+    if cluster_gpus > 0:
+        # the server gets the same share as a client actor (it trains generators/anchors there)
+        share = _floor(cluster_gpus / (num_actors + 1), 0.01)
+        if share > 1:
+            share = float(math.floor(share))
+    else:
+        share = 0.0
+    server_gpus = share if res.server_num_gpus == "auto" else float(res.server_num_gpus)
+    client_gpus = share if res.client_num_gpus == "auto" else float(res.client_num_gpus)
+
+    issues = []
+    if server_cpus + num_actors * client_cpus > cluster_cpus + 1e-6:
+        issues.append(ConfigIssue(
+            key="resources.client_num_cpus", value=res.client_num_cpus,
+            allowed=f"{num_actors} client actors x {client_cpus:g} CPU + server {server_cpus:g} CPU = "
+            f"{server_cpus + num_actors * client_cpus:g} > the cluster's {cluster_cpus:g} CPUs; lower it, use 'auto', "
+            f"or raise resources.clients_per_actor"))
+    if server_gpus + num_actors * client_gpus > cluster_gpus + 1e-6:
+        issues.append(ConfigIssue(
+            key="resources.client_num_gpus", value=res.client_num_gpus,
+            allowed=f"{num_actors} client actors x {client_gpus:g} GPU + server {server_gpus:g} GPU = "
+            f"{server_gpus + num_actors * client_gpus:g} > the cluster's {cluster_gpus:g} GPUs; lower it or use 'auto'"))
+    if client_cpus <= 0:
+        issues.append(ConfigIssue(key="resources.client_num_cpus", value=res.client_num_cpus,
+                                  allowed=f"the cluster's {cluster_cpus:g} CPUs leave nothing for {num_actors} client actors"))
+    if issues:
+        raise ConfigError(issues, "(resources)")
+
+    concurrency = min(num_actors, max(1, int(cluster_cpus))) if fed.concurrency == "auto" else min(fed.concurrency, num_actors)
+    if res.torch_threads != "auto":
+        threads = int(res.torch_threads)
+    elif client_cpus >= 1:
+        threads = int(client_cpus)
+    else:
+        threads = max(1, int(cluster_cpus // max(concurrency, 1)))
+    return ResourcePlan(num_actors, res.clients_per_actor, client_cpus, client_gpus, server_cpus, server_gpus, threads, concurrency)
+
+
+def assign_clients(num_clients: int, clients_per_actor: int) -> list[list[int]]:
+    """Client ids hosted by each actor: consecutive blocks."""
+    return [list(range(i, min(i + clients_per_actor, num_clients))) for i in range(0, num_clients, clients_per_actor)]

@@ -1,0 +1,220 @@
+"""The driver-side loop: keep ``concurrency`` clients busy, hand updates to the server as they land.
+
+One loop serves both modes (sync is async with buffer = the round's sampled clients and no
+overlap between rounds):
+
+* a *slot* is a client update in flight; free slots are filled with sampled clients whose
+  actor is idle (seeded sampling: uniform over idle clients in async mode, a fresh sample of
+  ceil(rho N) clients per round in sync mode);
+* ``ray.wait`` returns whatever finishes first: a client's metadata (its upload's ObjectRef goes
+  straight to ``server.submit``, never through the driver), a server receipt (a new version:
+  fetch its global state once as an ObjectRef that every later client receives), or an
+  evaluation result;
+* every ``eval_every`` versions all clients are evaluated against that version's state; the
+  metrics are assembled once all results for that version are in.
+
+The scheduler never inspects a payload and never names an algorithm.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+import ray
+
+log = logging.getLogger("rayfed_proto")
+
+
+@dataclass
+class SchedulerStats:
+    dispatched: int = 0
+    busy_s: float = 0.0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    last_loss: dict[int, float] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        mode: str,
+        num_clients: int,
+        rounds: int,
+        concurrency: int,
+        clients_per_round: int,
+        eval_every: int,
+        seed: int,
+        server,
+        actors: list,
+        actor_clients: list[list[int]],
+        on_eval: Callable[[int, dict[str, Any]], None],
+        on_version: Optional[Callable[[int], None]] = None,
+    ):
+        self.mode, self.num_clients, self.rounds = mode, num_clients, rounds
+        self.concurrency, self.clients_per_round, self.eval_every = concurrency, clients_per_round, eval_every
+        self.rng = np.random.default_rng([seed, 0x5C4ED])  # client sampling stream
+        self.server, self.actors, self.actor_clients = server, actors, actor_clients
+        self.actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
+        self.on_eval, self.on_version = on_eval, on_version
+        self.stats = SchedulerStats()
+
+        self.version = 0
+        self.global_ref = server.global_state.remote()
+        self.train_refs: dict[Any, tuple[int, Any]] = {}  # meta ref -> (client, update ref)
+        self.receipt_refs: set = set()
+        self.eval_refs: dict[Any, int] = {}  # ref -> version
+        self.eval_results: dict[int, list] = {}
+        self.eval_pending: dict[int, int] = {}
+        self.busy_actors: set[int] = set()
+        self.round_queue: list[int] = []
+        self.round_outstanding = 0
+        self.step_ref = None
+        self.t0 = time.perf_counter()
+
+    # ---------------------------------------------------------------------------- helpers
+    def wall(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _idle_clients(self) -> list[int]:
+        busy = {c for c, _ in self.train_refs.values()}
+        return [c for c in range(self.num_clients) if c not in busy and self.actor_of[c] not in self.busy_actors]
+
+    def _dispatch(self, client: int) -> None:
+        a = self.actor_of[client]
+        meta_ref, update_ref = self.actors[a].train.options(num_returns=2).remote(client, self.global_ref)
+        self.train_refs[meta_ref] = (client, update_ref)
+        self.busy_actors.add(a)
+        self.stats.dispatched += 1
+
+    def _start_round(self) -> None:
+        chosen = self.rng.choice(self.num_clients, size=self.clients_per_round, replace=False)
+        self.round_queue = sorted(int(c) for c in chosen)
+        self.round_outstanding = len(self.round_queue)
+
+    def _fill_slots(self) -> None:
+        if self.version >= self.rounds:
+            return
+        if self.mode == "sync":
+            if not self.round_queue and self.round_outstanding == 0 and self.step_ref is None:
+                self._start_round()
+            while self.round_queue and len(self.train_refs) < self.concurrency:
+                free = [c for c in self.round_queue if self.actor_of[c] not in self.busy_actors]
+                if not free:
+                    break
+                self.round_queue.remove(free[0])
+                self._dispatch(free[0])
+        else:
+            while len(self.train_refs) < self.concurrency:
+                idle = self._idle_clients()
+                if not idle:
+                    break
+                self._dispatch(int(self.rng.choice(idle)))
+
+    def _start_eval(self, version: int) -> None:
+        self.eval_pending[version] = len(self.actors)
+        self.eval_results[version] = []
+        for a, clients in enumerate(self.actor_clients):
+            self.eval_refs[self.actors[a].evaluate.remote(clients, self.global_ref)] = version
+
+    def _eval_due(self, version: int) -> bool:
+        return version % self.eval_every == 0 or version == self.rounds
+
+    # ---------------------------------------------------------------------------- handlers
+    def _on_meta(self, ref) -> None:
+        client, update_ref = self.train_refs.pop(ref)
+        self.busy_actors.discard(self.actor_of[client])
+        meta = ray.get(ref)
+        self.stats.busy_s += meta["busy_s"]
+        self.stats.bytes_up += meta["upload_bytes"]
+        self.stats.bytes_down += meta["download_bytes"]
+        self.stats.last_loss[client] = meta["terms"].get("loss", float("nan"))
+        if self.version >= self.rounds:
+            return  # finished: late updates are not submitted
+        self.receipt_refs.add(self.server.submit.remote(update_ref))
+
+    def _on_receipt(self, ref) -> None:
+        self.receipt_refs.discard(ref)
+        receipt = ray.get(ref)
+        if ref is self.step_ref:
+            self.step_ref = None
+        elif self.mode == "sync":
+            self.round_outstanding -= 1
+            if self.round_outstanding == 0 and not self.round_queue:
+                self.step_ref = self.server.step.remote()
+                self.receipt_refs.add(self.step_ref)
+        new_version = receipt.get("new_version")
+        if new_version is not None and new_version > self.version:
+            self.version = new_version
+            self.global_ref = self.server.global_state.remote()
+            if self.on_version:
+                self.on_version(self.version)
+            if self._eval_due(self.version):
+                self._start_eval(self.version)
+
+    def _on_eval_result(self, ref) -> None:
+        version = self.eval_refs.pop(ref)
+        self.eval_results[version].extend(ray.get(ref))
+        self.eval_pending[version] -= 1
+        if self.eval_pending[version] == 0:
+            del self.eval_pending[version]
+            results = self.eval_results.pop(version)
+            server_stats = ray.get(self.server.stats.remote())
+            self.on_eval(version, self._metrics(version, results, server_stats))
+
+    # ---------------------------------------------------------------------------- metrics
+    def _metrics(self, version: int, results: list[dict], server: dict) -> dict[str, Any]:
+        n = np.array([r["n"] for r in results], float)
+        head = np.array([r["head_correct"] for r in results], float)
+        wall = self.wall()
+        m: dict[str, Any] = {
+            "head_acc": float(head.sum() / n.sum()),
+            "head_acc_mean": float(np.mean(head / np.maximum(n, 1))),
+            "head_acc_std": float(np.std(head / np.maximum(n, 1))),
+        }
+        if all(r["proto_correct"] is not None for r in results):
+            proto = np.array([r["proto_correct"] for r in results], float)
+            m.update(proto_acc=float(proto.sum() / n.sum()), proto_acc_mean=float(np.mean(proto / np.maximum(n, 1))),
+                     proto_acc_std=float(np.std(proto / np.maximum(n, 1))))
+        losses = [v for v in self.stats.last_loss.values() if math.isfinite(v)]
+        margin_min, margin_mean = server["margins"].get(version, (float("nan"), float("nan")))
+        m.update(
+            train_loss=float(np.mean(losses)) if losses else float("nan"),
+            proto_margin_min=margin_min, proto_margin_mean=margin_mean,
+            bytes_up=self.stats.bytes_up, bytes_down=self.stats.bytes_down,
+            staleness_mean=server["staleness_mean"], staleness_max=server["staleness_max"],
+            updates_accepted=server["accepted"], updates_dropped=server["dropped_stale"],
+            updates_refused=server["refused"], updates_dispatched=self.stats.dispatched,
+            client_busy_s=self.stats.busy_s, server_train_s=server["server_train_s"], wall_s=wall,
+            slot_utilisation=self.stats.busy_s / (self.concurrency * wall) if wall > 0 else float("nan"),
+        )
+        for k, v in server.get("server_metrics", {}).items():
+            m[k] = v
+        return m
+
+    # ---------------------------------------------------------------------------- main loop
+    def run(self) -> int:
+        """Run until ``rounds`` versions exist and their evaluation is logged; returns the version."""
+        self._start_eval(0)
+        while self.version < self.rounds or self.eval_refs:
+            self._fill_slots()
+            pending = list(self.train_refs) + list(self.receipt_refs) + list(self.eval_refs)
+            if not pending:
+                raise RuntimeError("scheduler stalled: nothing in flight before the last version")
+            ready, _ = ray.wait(pending, num_returns=1)
+            ref = ready[0]
+            if ref in self.train_refs:
+                self._on_meta(ref)
+            elif ref in self.receipt_refs:
+                self._on_receipt(ref)
+            else:
+                self._on_eval_result(ref)
+        # let in-flight local updates finish so actors are quiet before shutdown
+        if self.train_refs:
+            ray.wait(list(self.train_refs), num_returns=len(self.train_refs), timeout=120)
+        return self.version

@@ -1,0 +1,97 @@
+"""MLflow logging from the driver, the single writer of a run.
+
+Tracking URI: ``tracking.tracking_uri`` if set, else ``$MLFLOW_TRACKING_URI``, else MLflow's
+own default (``sqlite:///mlflow.db`` in the working directory for MLflow 3.x). Relative
+``sqlite:///`` paths and plain folders are resolved to absolute URIs so that processes started
+elsewhere (Tune trials, Ray workers) write to the same store.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from rayfed_proto.config import TrackingConfig
+
+
+def resolve_tracking_uri(uri: Optional[str]) -> str:
+    import mlflow
+
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    if "://" not in uri:  # a bare path: a folder is refused by MLflow >= 3.13, so make it a sqlite db inside
+        p = Path(uri).resolve()
+        return f"sqlite:///{p / 'mlflow.db'}" if p.suffix != ".db" else f"sqlite:///{p}"
+    return uri
+
+
+class MlflowTracker:
+    def __init__(self, cfg: TrackingConfig):
+        import mlflow
+
+        self.mlflow = mlflow
+        self.uri = resolve_tracking_uri(cfg.tracking_uri)
+        if self.uri.startswith("sqlite:///"):
+            Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        mlflow.set_tracking_uri(self.uri)
+        self.experiment_name = cfg.experiment_name
+        self.run_name = cfg.run_name
+        self.run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None
+
+    def start(self, params: dict[str, Any], tags: Optional[dict[str, str]] = None, nested: bool = False) -> str:
+        mlflow = self.mlflow
+        exp = mlflow.set_experiment(self.experiment_name)
+        self.experiment_id = exp.experiment_id
+        run = mlflow.start_run(run_name=self.run_name, tags=tags or {}, nested=nested)
+        self.run_id = run.info.run_id
+        # MLflow caps a param value at 6000 characters and a batch at 100 params
+        items = [(k, "None" if v is None else str(v)[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            mlflow.log_params(dict(items[i : i + 100]))
+        return self.run_id
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        clean = {k: float(v) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+        if clean:
+            self.mlflow.log_metrics(clean, step=step)
+
+    def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
+        self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        self.mlflow.set_tags({k: str(v) for k, v in tags.items()})
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.mlflow.active_run() is not None:
+            self.mlflow.end_run(status=status)
+
+
+class NullTracker:
+    """Used when ``tracking.enabled`` is false: same interface, writes nothing."""
+
+    uri = None
+    run_id = None
+
+    def start(self, params, tags=None, nested=False):
+        return None
+
+    def log_metrics(self, metrics, step):
+        pass
+
+    def log_artifact(self, path, artifact_path=None):
+        pass
+
+    def set_tags(self, tags):
+        pass
+
+    def end(self, status="FINISHED"):
+        pass
+
+
+def make_tracker(cfg: TrackingConfig):
+    return MlflowTracker(cfg) if cfg.enabled else NullTracker()
