@@ -1,0 +1,182 @@
+"""Model zoo: shapes on every dataset geometry, the projection/head contract, groups, names, sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rayfed_proto.models import (
+    ARCHITECTURES,
+    MODEL_GROUPS,
+    ProtoModel,
+    arch_for_client,
+    build_client_model,
+    build_model,
+)
+from rayfed_proto.registry import UnknownNameError
+
+HTFE8 = ["cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
+SMALL = ["cnn", "cnn_narrow", "cnn_deep", "mlp"]
+FEATURE_DIM, NUM_CLASSES, BATCH = 64, 7, 2
+
+
+def _forward(arch: str, channels: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = build_model(arch, channels, size, NUM_CLASSES, FEATURE_DIM).eval()
+    with torch.no_grad():
+        return model.features(torch.randn(BATCH, channels, size, size)), model(torch.randn(BATCH, channels, size, size))
+
+
+def _check(feats: torch.Tensor, logits: torch.Tensor) -> None:
+    assert feats.shape == (BATCH, FEATURE_DIM)
+    assert logits.shape == (BATCH, NUM_CLASSES)
+    assert torch.isfinite(feats).all() and torch.isfinite(logits).all()
+    # Random inputs must not collapse to a constant (e.g. a dead extractor returning zeros).
+    assert feats.std() > 0
+
+
+@pytest.mark.parametrize("arch", sorted(set(HTFE8 + SMALL)))
+@pytest.mark.parametrize("channels", [3, 1], ids=["rgb32", "digits32"])
+def test_every_architecture_at_32x32(arch: str, channels: int) -> None:
+    _check(*_forward(arch, channels, 32))
+
+
+# 16x16 digits: the small archs and cnn must work; the big extractors' stems shrink such maps to
+# 1x1, where only the adaptive average pool keeps the features finite.
+@pytest.mark.parametrize("arch", sorted(set(HTFE8 + SMALL)))
+def test_every_architecture_on_16x16_digits(arch: str) -> None:
+    _check(*_forward(arch, 1, 16))
+
+
+@pytest.mark.parametrize("arch", ["cnn", "cnn_narrow", "mlp"])
+def test_small_models_run_on_tiny_images(arch: str) -> None:
+    _check(*_forward(arch, 1, 8))
+
+
+def test_cnn_is_fedavg_cnn_at_paper_sizes() -> None:
+    # HtFLlib's FedAvgCNN: unpadded conv5x5 -> flatten of 1600 at 32x32 and 1024 at 28x28.
+    for size, flat in ((32, 1600), (28, 1024)):
+        fc = build_model("cnn", 1, size, 10).backbone[-2]
+        assert isinstance(fc, torch.nn.Linear) and (fc.in_features, fc.out_features) == (flat, 512)
+
+
+def test_models_adapt_to_input_channels() -> None:
+    for arch in ("cnn", "googlenet", "mobilenet_v2", "resnet18"):
+        model = build_model(arch, 1, 32, 10, FEATURE_DIM)
+        first_conv = next(m for m in model.backbone.modules() if isinstance(m, torch.nn.Conv2d))
+        assert first_conv.in_channels == 1, arch
+
+
+def test_model_attributes_and_default_feature_dim() -> None:
+    model = build_model("cnn_narrow", 3, 32, 10)
+    assert isinstance(model, ProtoModel)
+    assert (model.arch, model.feature_dim, model.num_classes) == ("cnn_narrow", 512, 10)
+    assert model.projection.in_features == model.backbone_dim == 128
+    assert (model.head.in_features, model.head.out_features) == (512, 10)
+    # The dry run switches to eval mode; every submodule must be back in training mode.
+    assert all(m.training for m in model.modules())
+
+
+def test_forward_features_matches_features_and_head() -> None:
+    torch.manual_seed(0)
+    model = build_model("cnn_deep", 1, 16, NUM_CLASSES, FEATURE_DIM).eval()
+    x = torch.randn(4, 1, 16, 16)
+    feats, logits = model.forward_features(x)
+    torch.testing.assert_close(feats, model.features(x))
+    torch.testing.assert_close(logits, model.head(model.features(x)))
+    torch.testing.assert_close(logits, model(x))
+
+
+def test_no_activation_after_projection() -> None:
+    # Features are the raw projection output: a ReLU there would make them all >= 0.
+    torch.manual_seed(0)
+    model = build_model("mlp", 1, 16, NUM_CLASSES, FEATURE_DIM).eval()
+    with torch.no_grad():
+        assert (model.features(torch.randn(8, 1, 16, 16)) < 0).any()
+
+
+@pytest.mark.parametrize("arch", SMALL + ["mobilenet_v2"])
+def test_backward_reaches_backbone_projection_and_head(arch: str) -> None:
+    torch.manual_seed(0)
+    model = build_model(arch, 1, 16, NUM_CLASSES, FEATURE_DIM)
+    x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
+    # Each term of a prototype loss on its own: CE through the head must train the whole model,
+    # a feature-space term the extractor and projection (and not the head).
+    parts = {"backbone": model.backbone, "projection": model.projection, "head": model.head}
+    for term, reached in (("ce", ("backbone", "projection", "head")), ("feature", ("backbone", "projection"))):
+        model.zero_grad(set_to_none=True)
+        feats, logits = model.forward_features(x)
+        loss = torch.nn.functional.cross_entropy(logits, y) if term == "ce" else feats.pow(2).mean()
+        loss.backward()
+        for name, part in parts.items():
+            grads = [p.grad for p in part.parameters()]
+            if name in reached:
+                assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads), (term, name)
+            else:
+                assert all(g is None for g in grads), (term, name)
+
+
+def test_groups_are_the_documented_lists() -> None:
+    assert MODEL_GROUPS.get("HtFE8") == HTFE8
+    assert MODEL_GROUPS.get("HtFE1") == ["cnn"]
+    assert MODEL_GROUPS.get("small_hetero") == SMALL
+    for n in (2, 3, 5):
+        assert MODEL_GROUPS.get(f"HtFE{n}") == HTFE8[:n]
+    for group in MODEL_GROUPS:
+        assert all(arch in ARCHITECTURES for arch in MODEL_GROUPS.get(group)), group
+        assert MODEL_GROUPS.describe(group) and "mutable sequence" not in MODEL_GROUPS.describe(group)
+
+
+@pytest.mark.parametrize("group,archs", [("HtFE8", HTFE8), ("small_hetero", SMALL), ("HtFE3", HTFE8[:3])])
+def test_arch_for_client_is_i_mod_len(group: str, archs: list[str]) -> None:
+    for i in range(3 * len(archs) + 1):
+        assert arch_for_client(group, i) == archs[i % len(archs)]
+
+
+def test_build_client_model_uses_the_clients_architecture() -> None:
+    model = build_client_model("small_hetero", 7, 1, 16, NUM_CLASSES, FEATURE_DIM)
+    assert model.arch == "mlp"
+    assert (model.feature_dim, model.num_classes) == (FEATURE_DIM, NUM_CLASSES)
+
+
+def test_unknown_names_list_the_allowed_ones() -> None:
+    with pytest.raises(UnknownNameError, match="unknown architecture 'vgg16'; allowed: .*resnet18"):
+        build_model("vgg16", 3, 32, 10)
+    with pytest.raises(UnknownNameError, match="unknown model group 'HtFE4'; allowed: .*HtFE8.*small_hetero"):
+        arch_for_client("HtFE4", 0)
+    with pytest.raises(UnknownNameError, match="allowed: .*small_hetero"):
+        build_client_model("nope", 0, 3, 32, 10)
+
+
+def test_bad_sizes_raise_clear_errors() -> None:
+    with pytest.raises(ValueError, match="'googlenet' cannot take 8x8"):
+        build_model("googlenet", 1, 8, 10)
+    with pytest.raises(ValueError, match="at least 8x8"):
+        build_model("cnn_deep", 1, 4, 10)
+    with pytest.raises(ValueError, match="num_classes must be positive"):
+        build_model("cnn", 1, 32, 0)
+    with pytest.raises(ValueError, match="client_id"):
+        arch_for_client("HtFE8", -1)
+
+
+# Extractor sizes (fc removed, 3 channels): torchvision's published totals minus the ImageNet fc,
+# e.g. resnet18 11,689,512 - 513,000. A wrong depth, width or removed layer changes them.
+@pytest.mark.parametrize("arch,params", [
+    ("cnn", 873_408),  # FedAvgCNN without its last layer, at 32x32
+    ("googlenet", 5_599_904),
+    ("mobilenet_v2", 2_223_872),
+    ("resnet18", 11_176_512),
+    ("resnet34", 21_284_672),
+    ("resnet50", 23_508_032),
+    ("resnet101", 42_500_160),
+    ("resnet152", 58_143_808),
+])
+def test_backbone_parameter_counts(arch: str, params: int) -> None:
+    model = build_model(arch, 3, 32, 10)
+    assert sum(p.numel() for p in model.backbone.parameters()) == params
+    assert model.projection.weight.shape == (512, model.backbone_dim)
+
+
+def test_small_models_are_small() -> None:
+    for arch in SMALL:
+        assert sum(p.numel() for p in build_model(arch, 1, 32, 10).parameters()) < 5_000_000, arch
