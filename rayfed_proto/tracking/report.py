@@ -1,0 +1,189 @@
+"""Plain-text run summary and history helpers: the end-of-run table, byte/duration formatting, a DataFrame view.
+
+Why: a run should end with one table a person can read in a terminal, a log or an MLflow text
+artifact without opening a notebook. This module only builds strings and frames; uploading them is
+the tracking layer's job, so nothing here imports Ray or MLflow.
+
+The history is a list of dicts, one per evaluation (see :func:`summary_rows` for the keys used).
+Missing keys, ``None`` and NaN are gaps, never errors: a FedAvg run has no prototype metrics, an
+early evaluation may precede the first prototype bank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+History = Sequence[Mapping[str, Any]]
+
+_BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def metric_series(history: History, key: str) -> np.ndarray:
+    """``history[i][key]`` as a float array; missing, ``None`` or non-numeric entries become NaN."""
+    out = np.full(len(history), np.nan)
+    for i, row in enumerate(history):
+        try:
+            out[i] = float(row.get(key))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            pass
+    return out
+
+
+def human_bytes(n: float) -> str:
+    """Binary units: ``"0 B"``, ``"512 B"``, ``"1.5 KiB"``, ``"2.0 MiB"``; whole bytes below 1 KiB, one decimal above."""
+    if not math.isfinite(n):
+        return "n/a"
+    sign = "-" if n < 0 else ""
+    value, unit = abs(float(n)), _BYTE_UNITS[0]
+    for bigger in _BYTE_UNITS[1:]:
+        if round(value, 0 if unit == "B" else 1) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{sign}{value:.0f} B" if unit == "B" else f"{sign}{value:.1f} {unit}"
+
+
+def human_duration(seconds: float) -> str:
+    """``"3.2s"`` under a minute, ``"2m 05s"`` under an hour, ``"1h 02m 05s"`` beyond (whole seconds from 1 min)."""
+    if not math.isfinite(seconds):
+        return "n/a"
+    sign = "-" if seconds < 0 else ""
+    s = abs(float(seconds))
+    if round(s, 1) < 60:
+        return f"{sign}{s:.1f}s"
+    hours, rest = divmod(round(s), 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{sign}{hours}h {minutes:02d}m {secs:02d}s"
+    return f"{sign}{minutes}m {secs:02d}s"
+
+
+def _pct(fraction: float) -> str:
+    return f"{100.0 * fraction:.2f}%"
+
+
+def _num(x: float) -> str:
+    return f"{x:.3f}" if math.isfinite(x) else "n/a"
+
+
+def _at(version: np.ndarray, i: int) -> str:
+    """Where evaluation ``i`` happened: its server version, or its position when the version is missing."""
+    return f"v{int(version[i])}" if math.isfinite(version[i]) else f"evaluation {i + 1}"
+
+
+def _last_finite(*series: np.ndarray) -> int | None:
+    """Index of the last evaluation where any of ``series`` is finite."""
+    ok = np.flatnonzero(np.logical_or.reduce([np.isfinite(s) for s in series]))
+    return int(ok[-1]) if ok.size else None
+
+
+def _accuracy_rows(label: str, acc: np.ndarray, version: np.ndarray) -> list[tuple[str, str]]:
+    """``final`` (last finite value) and ``best`` (first occurrence of the maximum) with their versions."""
+    ok = np.flatnonzero(np.isfinite(acc))
+    if ok.size == 0:
+        return []
+    last, best = int(ok[-1]), int(ok[np.argmax(acc[ok])])
+    return [(f"{label} (final)", f"{_pct(acc[last])} @ {_at(version, last)}"),
+            (f"{label} (best)", f"{_pct(acc[best])} @ {_at(version, best)}")]
+
+
+def summary_rows(history: History) -> list[tuple[str, str]]:
+    """The run summary as ``(label, value)`` rows; a row is left out when its metrics never appear.
+
+    Keys read: ``version``, ``head_acc``, ``proto_acc``, ``head_acc_mean``/``head_acc_std``
+    (across clients), ``proto_margin_min``/``proto_margin_mean``, ``wall_s``, ``bytes_up``/``bytes_down``,
+    ``staleness_mean``/``staleness_max``, ``updates_dropped``/``updates_refused``, ``slot_utilisation``.
+    Accuracies are fractions in [0, 1]. Wall time, bytes, dropped/refused and slot utilisation are
+    run-cumulative, so their last value is the run's; staleness is per evaluation window, so the
+    table shows the average of the window means and the maximum of the window maxima.
+    """
+    rows: list[tuple[str, str]] = []
+    v = metric_series(history, "version")
+    rows += _accuracy_rows("head accuracy", metric_series(history, "head_acc"), v)
+    rows += _accuracy_rows("prototype accuracy", metric_series(history, "proto_acc"), v)
+
+    mean, std = metric_series(history, "head_acc_mean"), metric_series(history, "head_acc_std")
+    ok = np.flatnonzero(np.isfinite(mean) & np.isfinite(std))
+    if ok.size:
+        i = int(ok[-1])
+        rows.append(("per-client head accuracy (final)", f"{_pct(mean[i])} ± {_pct(std[i])} @ {_at(v, i)}"))
+
+    m_min, m_mean = metric_series(history, "proto_margin_min"), metric_series(history, "proto_margin_mean")
+    i = _last_finite(m_min, m_mean)
+    if i is not None:
+        rows.append(("prototype margin (final)", f"min {_num(m_min[i])} / mean {_num(m_mean[i])} @ {_at(v, i)}"))
+
+    if np.isfinite(v).any():
+        rows.append(("server versions", str(int(np.nanmax(v)))))
+    rows.append(("evaluations", str(len(history))))
+
+    wall = metric_series(history, "wall_s")
+    i = _last_finite(wall)
+    if i is not None:
+        rows.append(("wall time", human_duration(wall[i])))
+
+    up, down = metric_series(history, "bytes_up"), metric_series(history, "bytes_down")
+    i = _last_finite(up, down)
+    if i is not None:
+        rows.append(("bytes up / down", f"{human_bytes(up[i])} / {human_bytes(down[i])}"))
+
+    s_mean, s_max = metric_series(history, "staleness_mean"), metric_series(history, "staleness_max")
+    if np.isfinite(s_mean).any() or np.isfinite(s_max).any():
+        avg = f"{np.nanmean(s_mean):.2f}" if np.isfinite(s_mean).any() else "n/a"
+        top = str(int(np.nanmax(s_max))) if np.isfinite(s_max).any() else "n/a"
+        rows.append(("staleness mean / max (versions)", f"{avg} / {top}"))
+
+    dropped, refused = metric_series(history, "updates_dropped"), metric_series(history, "updates_refused")
+    i = _last_finite(dropped, refused)
+    if i is not None:
+        counts = [str(int(c)) if math.isfinite(c) else "n/a" for c in (dropped[i], refused[i])]
+        rows.append(("updates dropped / refused", " / ".join(counts)))
+
+    util = metric_series(history, "slot_utilisation")
+    i = _last_finite(util)
+    if i is not None:
+        rows.append(("slot utilisation", f"{100.0 * util[i]:.1f}%"))
+    return rows
+
+
+def _cell(value: Any) -> str:
+    text = f"{value:.4g}" if isinstance(value, float) else str(value)
+    return " ".join(text.split())  # one line, so the box stays aligned
+
+
+def format_summary_table(history: History, title: str = "Run summary", extra: Mapping[str, Any] | None = None) -> str:
+    """An ASCII box (``+``, ``-``, ``|``) of ``extra`` rows (algorithm, dataset, run id...) then :func:`summary_rows`.
+
+    Example::
+
+        +-----------------------------+
+        | Run summary                 |
+        +----------------+------------+
+        | algorithm      | fedproto   |
+        +----------------+------------+
+        | head accuracy  | 81.00% ... |
+        +----------------+------------+
+    """
+    head = [(_cell(k), _cell(v)) for k, v in (extra or {}).items()]
+    body = summary_rows(history)
+    every = head + body
+    kw = max((len(k) for k, _ in every), default=0)
+    vw = max((len(v) for _, v in every), default=0)
+    vw = max(vw, len(title) - kw - 3)  # the title spans both columns
+    rule = f"+{'-' * (kw + 2)}+{'-' * (vw + 2)}+"
+    lines = [f"+{'-' * (kw + vw + 5)}+", f"| {title.ljust(kw + vw + 3)} |", rule]
+    for block in (head, body):
+        if block:
+            lines += [f"| {k.ljust(kw)} | {v.ljust(vw)} |" for k, v in block]
+            lines.append(rule)
+    return "\n".join(lines)
+
+
+def history_to_frame(history: History) -> pd.DataFrame:
+    """One row per evaluation, in history order; columns sorted by name with ``version`` first."""
+    frame = pd.DataFrame.from_records(list(history))
+    return frame[sorted(frame.columns, key=lambda c: (c != "version", str(c)))]

@@ -1,0 +1,178 @@
+"""Run plots and the text summary: valid PNGs for normal, 1-point and prototype-free histories; exact table values."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib.image as mpimg
+import numpy as np
+import pytest
+
+from rayfed_proto.tracking.plots import (
+    plot_accuracy_vs_version,
+    plot_accuracy_vs_wall_time,
+    plot_label_distribution,
+    plot_prototype_margin,
+    plot_prototypes_2d,
+)
+from rayfed_proto.tracking.report import (
+    format_summary_table,
+    history_to_frame,
+    human_bytes,
+    human_duration,
+    summary_rows,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+NAN = float("nan")
+
+
+def _entry(version: int, head: float, proto: float = NAN, **more: float) -> dict[str, float]:
+    row = {"version": version, "wall_s": 2.5 * version, "head_acc": head, "head_acc_mean": head - 0.01,
+           "head_acc_std": 0.05, "proto_acc": proto, "proto_margin_min": 1.0 + 0.1 * version,
+           "proto_margin_mean": 2.0 + 0.1 * version, "train_loss": 1.0 / version, "bytes_up": 1000 * version,
+           "bytes_down": 4000 * version, "staleness_mean": 0.5, "staleness_max": 2, "updates_dropped": 0,
+           "updates_refused": 0, "client_busy_s": 3.0 * version, "server_train_s": 0.5 * version,
+           "slot_utilisation": 0.9}
+    row.update(more)
+    return row
+
+
+NORMAL = [_entry(v, 0.3 + 0.04 * v, 0.25 + 0.04 * v) for v in range(1, 16)]
+NORMAL[0]["proto_acc"] = NAN  # no prototype bank yet at the first evaluation
+NORMAL[3].pop("head_acc_std")  # a gap in the band
+ONE_POINT = [_entry(5, 0.4, 0.35)]
+NO_PROTO = [_entry(v, 0.5 + 0.02 * v, proto_margin_min=NAN, proto_margin_mean=NAN) for v in range(1, 6)]
+HISTORIES = {"normal": NORMAL, "one_point": ONE_POINT, "no_proto": NO_PROTO, "empty": []}
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file()
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE
+    assert len(data) > 1024
+    height, width = mpimg.imread(path).shape[:2]  # decodes: the file is complete
+    assert height > 100 and width > 100
+
+
+@pytest.mark.parametrize("name", sorted(HISTORIES))
+@pytest.mark.parametrize("plot", [plot_accuracy_vs_version, plot_accuracy_vs_wall_time, plot_prototype_margin])
+def test_history_plots_write_png(tmp_path: Path, plot, name: str) -> None:
+    target = tmp_path / "nested" / f"{name}.png"
+    out = plot(HISTORIES[name], target)
+    assert out == target
+    _assert_png(out)
+
+
+def test_plots_leave_no_pyplot_figures(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
+    plot_accuracy_vs_version(NORMAL, tmp_path / "a.png", title="custom title")
+    plot_label_distribution(np.ones((2, 3)), tmp_path / "b.png")
+    plot_prototypes_2d([0, 1], np.eye(2), tmp_path / "c.png")
+    assert set(plt.get_fignums()) == before
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (500, 100)])
+def test_label_distribution_png(tmp_path: Path, shape: tuple[int, int]) -> None:
+    counts = np.random.default_rng(0).integers(0, 50, size=shape)
+    names = [f"c{j}" for j in range(shape[1])]
+    _assert_png(plot_label_distribution(counts, tmp_path / "labels.png", class_names=names))
+
+
+def test_label_distribution_rejects_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        plot_label_distribution(np.ones(4), tmp_path / "x.png")
+    with pytest.raises(ValueError):
+        plot_label_distribution(np.ones((2, 3)), tmp_path / "x.png", class_names=["a", "b"])
+
+
+@pytest.mark.parametrize("n", [0, 1, 5])
+def test_prototypes_2d_png(tmp_path: Path, n: int) -> None:
+    vectors = np.random.default_rng(1).normal(size=(n, 16))
+    names = {c: f"digit {c}" for c in range(10)}
+    _assert_png(plot_prototypes_2d(list(range(n)), vectors, tmp_path / "protos.png", class_names=names))
+
+
+def test_prototypes_2d_checks_alignment(tmp_path: Path) -> None:
+    with pytest.raises(ValueError):
+        plot_prototypes_2d([0, 1, 2], np.zeros((2, 4)), tmp_path / "x.png")
+
+
+def test_human_bytes() -> None:
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(512) == "512 B"
+    assert human_bytes(1536) == "1.5 KiB"
+    assert human_bytes(1024) == "1.0 KiB"
+    assert human_bytes(3 * 1024**2) == "3.0 MiB"
+    assert human_bytes(1.25 * 1024**3) == "1.2 GiB"  # one decimal, round-half-even as Python formats
+    assert human_bytes(1024**2 - 1) == "1.0 MiB"  # never "1024.0 KiB"
+    assert human_bytes(NAN) == "n/a"
+
+
+def test_human_duration() -> None:
+    assert human_duration(3.2) == "3.2s"
+    assert human_duration(0) == "0.0s"
+    assert human_duration(59.97) == "1m 00s"
+    assert human_duration(125) == "2m 05s"
+    assert human_duration(3725) == "1h 02m 05s"
+    assert human_duration(NAN) == "n/a"
+
+
+def test_summary_best_is_not_last() -> None:
+    history = [_entry(5, 0.50, 0.40), _entry(10, 0.80, 0.75), _entry(15, 0.70, 0.60),
+               _entry(20, 0.80, 0.50, wall_s=125.0, bytes_up=1536, bytes_down=3 * 1024**2, staleness_max=7,
+                      updates_dropped=3, updates_refused=1, slot_utilisation=0.934)]
+    rows = dict(summary_rows(history))
+    assert rows["head accuracy (best)"] == "80.00% @ v10"  # first time the maximum is reached
+    assert rows["head accuracy (final)"] == "80.00% @ v20"
+    assert rows["prototype accuracy (best)"] == "75.00% @ v10"
+    assert rows["prototype accuracy (final)"] == "50.00% @ v20"
+    assert rows["per-client head accuracy (final)"] == "79.00% ± 5.00% @ v20"
+    assert rows["prototype margin (final)"] == "min 3.000 / mean 4.000 @ v20"
+    assert rows["server versions"] == "20"
+    assert rows["evaluations"] == "4"
+    assert rows["wall time"] == "2m 05s"
+    assert rows["bytes up / down"] == "1.5 KiB / 3.0 MiB"
+    assert rows["staleness mean / max (versions)"] == "0.50 / 7"
+    assert rows["updates dropped / refused"] == "3 / 1"
+    assert rows["slot utilisation"] == "93.4%"
+
+
+def test_summary_without_prototypes() -> None:
+    labels = [label for label, _ in summary_rows(NO_PROTO)]
+    assert "head accuracy (final)" in labels
+    assert not [label for label in labels if "prototype" in label]
+    absent = [{"version": 1, "head_acc": 0.5}]
+    assert [label for label, _ in summary_rows(absent)] == [
+        "head accuracy (final)", "head accuracy (best)", "server versions", "evaluations"]
+
+
+def test_summary_table_layout() -> None:
+    table = format_summary_table(NORMAL, title="FedProto on MNIST",
+                                 extra={"algorithm": "fedproto", "mlflow run id": "abc123", "lr": 0.01})
+    lines = table.splitlines()
+    assert len({len(line) for line in lines}) == 1  # fixed width
+    assert lines[0].startswith("+-") and lines[-1].startswith("+-")
+    assert all(line[0] in "+|" and line[-1] in "+|" for line in lines)
+    assert "FedProto on MNIST" in lines[1]
+    text = "\n".join(lines)
+    assert text.index("fedproto") < text.index("abc123") < text.index("head accuracy (final)")
+    assert "| lr " in text and "0.01" in text
+    assert "90.00% @ v15" in text
+
+
+def test_summary_table_empty_history() -> None:
+    table = format_summary_table([], title="a title much longer than any row in the table")
+    assert "| evaluations | 0" in table
+    assert len({len(line) for line in table.splitlines()}) == 1
+
+
+def test_history_to_frame() -> None:
+    frame = history_to_frame([{"wall_s": 1.0, "version": 1, "head_acc": 0.5}, {"version": 2, "bytes_up": 10}])
+    assert list(frame.columns) == ["version", "bytes_up", "head_acc", "wall_s"]
+    assert frame["version"].tolist() == [1, 2]
+    assert math.isnan(frame.loc[1, "head_acc"])
+    assert history_to_frame([]).empty
