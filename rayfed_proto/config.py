@@ -283,7 +283,11 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
     try:
         cfg = ExperimentConfig(**raw)
     except ValidationError as err:
-        raise ConfigError(_issues_from_validation(err, raw), source) from None
+        issues = _issues_from_validation(err, raw)
+        algo = raw.get("algorithm")
+        if isinstance(algo, dict):  # report the algorithm's own options in the same pass
+            issues += _algorithm_issues(str(algo.get("name", AlgorithmConfig().name)), {k: v for k, v in algo.items() if k != "name"})
+        raise ConfigError(issues, source) from None
     issues = semantic_issues(cfg)
     if issues:
         raise ConfigError(issues, source)
@@ -303,6 +307,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return build_config(raw, overrides, str(path) if path else None)
 
 
+def _algorithm_issues(name: str, options: dict[str, Any]) -> list[ConfigIssue]:
+    """Problems with ``algorithm.*`` options, checked against the named algorithm's Options."""
+    from rayfed_proto.algorithms import ALGORITHMS
+
+    if name not in ALGORITHMS:
+        return []
+    try:
+        ALGORITHMS.get(name).Options(**options)
+    except ValidationError as err:
+        return _issues_from_validation(err, options, prefix="algorithm.")
+    return []
+
+
 def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     """Rules that span fields or need the registries."""
     from rayfed_proto.algorithms import ALGORITHMS
@@ -320,10 +337,7 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     algo_cls = None
     if check_name("algorithm.name", cfg.algorithm.name, ALGORITHMS):
         algo_cls = ALGORITHMS.get(cfg.algorithm.name)
-        try:
-            algo_cls.Options(**cfg.algorithm.options())
-        except ValidationError as err:
-            issues.extend(_issues_from_validation(err, cfg.algorithm.options(), prefix="algorithm."))
+        issues.extend(_algorithm_issues(cfg.algorithm.name, cfg.algorithm.options()))
     check_name("data.name", cfg.data.name, DATASETS)
     check_name("data.partition.name", cfg.data.partition.name, PARTITIONERS)
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)

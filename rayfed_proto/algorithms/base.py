@@ -60,8 +60,11 @@ class TrainBatchIterator:
 
     def epoch(self):
         order = torch.randperm(len(self.y), generator=self.generator)
-        for i in range(0, len(order), self.batch_size):
-            idx = order[i : i + self.batch_size]
+        chunks = list(torch.split(order, self.batch_size))
+        if len(chunks) > 1 and len(chunks[-1]) == 1:
+            # BatchNorm cannot train on one sample (ResNets reach 1x1 maps): fold it into the previous batch
+            chunks[-2] = torch.cat([chunks[-2], chunks.pop()])
+        for idx in chunks:
             yield self.x[idx], self.y[idx]
 
 
@@ -84,7 +87,7 @@ class ClientAlgorithm:
         """Local objective on one mini-batch -> (loss, {term name: value})."""
         _, logits = model.forward_features(x)
         ce = torch.nn.functional.cross_entropy(logits, y)
-        return ce, {"ce": float(ce)}
+        return ce, {"ce": ce.item()}
 
     def local_train(self, model, optimizer, batches: TrainBatchIterator, epochs: int, device) -> dict[str, float]:
         """Default local update: ``epochs`` passes of SGD on :meth:`loss`; returns mean terms."""
@@ -99,7 +102,7 @@ class ClientAlgorithm:
                 loss.backward()
                 optimizer.step()
                 steps += 1
-                totals["loss"] = totals.get("loss", 0.0) + float(loss)
+                totals["loss"] = totals.get("loss", 0.0) + loss.item()
                 for k, v in terms.items():
                     totals[k] = totals.get(k, 0.0) + v
         return {k: v / max(steps, 1) for k, v in totals.items()}

@@ -32,7 +32,7 @@ class PrototypeAlignmentClient(ClientAlgorithm):
         targets, mask = bank_tensors(self.guidance, self.spec.num_classes, feats.device)
         align = alignment_loss(feats, y, targets, mask, self.options.alignment_reduction)  # L_R, FedSA Eq. 4
         lam = self.alignment_weight()
-        return ce + lam * align, {"ce": float(ce), "align": float(align)}
+        return ce + lam * align, {"ce": ce.item(), "align": align.item()}
 
 
 @ALGORITHMS.register("fedproto", help="FedProto: align features to aggregated class prototypes")

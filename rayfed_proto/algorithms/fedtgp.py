@@ -108,7 +108,7 @@ class FedTGPServer(PrototypeServer):
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                total, steps = total + float(loss), steps + 1
+                total, steps = total + loss.item(), steps + 1
         return total / max(steps, 1)
 
     @torch.no_grad()

@@ -1,0 +1,253 @@
+"""Losses and aggregation of FedProto, FedTGP and FedAvg against values computed by hand."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
+from rayfed_proto.algorithms.common import (
+    PrototypeBank,
+    aggregate_prototypes,
+    alignment_loss,
+    local_prototypes,
+    nearest_prototype_predict,
+    prototype_margin,
+    safe_cdist,
+    staleness_weight,
+)
+from rayfed_proto.algorithms.fedavg import average_weights
+from rayfed_proto.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
+from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+
+
+class FixedModel(torch.nn.Module):
+    """features(x) = x, logits = x @ W: lets a test choose features and logits exactly."""
+
+    def __init__(self, dim=2, num_classes=2):
+        super().__init__()
+        self.head = torch.nn.Linear(dim, num_classes, bias=False)
+        torch.nn.init.zeros_(self.head.weight)
+
+    def features(self, x):
+        return x
+
+    def forward_features(self, x):
+        return x, self.head(x)
+
+
+def pset(ids, vecs, counts):
+    return PrototypeSet(np.array(ids, np.int64), np.array(vecs, np.float32), np.array(counts, np.int64))
+
+
+SPEC = FederationSpec(num_clients=4, num_classes=3, feature_dim=2, seed=0)
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+def test_safe_cdist_values_and_clamp():
+    a = torch.tensor([[0.0, 0.0]])
+    b = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    d = safe_cdist(a, b)
+    assert d[0, 0].item() == pytest.approx(5.0)
+    assert d[0, 1].item() == pytest.approx(1e-6)  # sqrt(1e-12), not 0: the gradient stays finite
+    a.requires_grad_(True)
+    safe_cdist(a, b)[0, 1].backward()
+    assert torch.isfinite(a.grad).all()
+
+
+@pytest.mark.parametrize("staleness,a,expected", [(0, 0.5, 1.0), (3, 0.5, 0.5), (1, 1.0, 0.5), (7, 0.0, 1.0)])
+def test_staleness_weight(staleness, a, expected):
+    assert staleness_weight(staleness, a) == pytest.approx(expected)
+
+
+def test_staleness_weight_rejects_negative():
+    with pytest.raises(ValueError, match="staleness"):
+        staleness_weight(-1, 0.5)
+
+
+def test_aggregation_weighted_uniform_and_staleness():
+    a = pset([0], [[1, 0]], [1])
+    b = pset([0, 1], [[3, 0], [0, 2]], [3, 2])
+    # no staleness: class 0 = (1*1 + 3*3) / 4 = 2.5 (sample-weighted) or (1 + 3) / 2 = 2 (uniform)
+    w = aggregate_prototypes([a, b], [1.0, 1.0], "weighted")
+    assert w[0][0] == pytest.approx([2.5, 0.0])
+    assert w[1][0] == pytest.approx([0.0, 2.0])
+    assert aggregate_prototypes([a, b], [1.0, 1.0], "uniform")[0][0] == pytest.approx([2.0, 0.0])
+    # b is stale (weight 0.5): weighted (1*1 + 0.5*3*3) / (1 + 1.5) = 2.2; uniform (1 + 0.5*3) / 1.5
+    w = aggregate_prototypes([a, b], [1.0, 0.5], "weighted")
+    assert w[0][0] == pytest.approx([2.2, 0.0])
+    assert w[0][1] == pytest.approx(2.5)
+    assert aggregate_prototypes([a, b], [1.0, 0.5], "uniform")[0][0] == pytest.approx([2.5 / 1.5, 0.0])
+
+
+def test_alignment_loss_skips_classes_without_target():
+    feats = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    labels = torch.tensor([0, 1])
+    targets = torch.zeros(2, 2)
+    mask = torch.tensor([True, False])  # class 1 has no global prototype
+    assert alignment_loss(feats, labels, targets, mask, "sum").item() == pytest.approx(5.0)
+    assert alignment_loss(feats, labels, targets, mask, "mean").item() == pytest.approx(2.5)
+    assert alignment_loss(feats, labels, targets, torch.tensor([False, False]), "sum").item() == 0.0
+
+
+def test_local_prototypes_are_class_means_with_counts():
+    model = FixedModel()
+    x = torch.tensor([[0.0, 0.0], [2.0, 2.0], [5.0, 1.0]])
+    y = torch.tensor([1, 1, 2])
+    ps = local_prototypes(model, x, y)
+    assert ps.class_ids.tolist() == [1, 2]
+    assert ps.counts.tolist() == [2, 1]
+    np.testing.assert_allclose(ps.vectors, [[1.0, 1.0], [5.0, 1.0]])
+
+
+def test_prototype_margin_and_nearest_prediction():
+    vecs = np.array([[0, 0], [3, 4], [0, 1]], np.float32)
+    lo, mean = prototype_margin(vecs)
+    assert lo == pytest.approx(1.0)
+    assert mean == pytest.approx((1 + math.sqrt(18) + 1) / 3)
+    assert all(math.isnan(v) for v in prototype_margin(vecs[:1]))
+    bank = pset([4, 7], [[0, 0], [10, 0]], [1, 1])
+    pred = nearest_prototype_predict(torch.tensor([[1.0, 0.0], [9.0, 1.0]]), bank)
+    assert pred.tolist() == [4, 7]
+    assert nearest_prototype_predict(torch.zeros(1, 2), None) is None
+
+
+def test_bank_keeps_classes_nobody_uploaded():
+    bank = PrototypeBank(3, 2)
+    bank.update({0: (np.array([1, 1], np.float32), 2.0), 2: (np.array([5, 5], np.float32), 1.0)}, version=1)
+    bank.update({0: (np.array([2, 2], np.float32), 1.0)}, version=2)
+    s = bank.as_set()
+    assert s.class_ids.tolist() == [0, 2]  # class 1 never had a vector: absent
+    np.testing.assert_allclose(s.vectors, [[2, 2], [5, 5]])  # class 2 kept its version-1 vector
+    assert bank.updated_at.tolist() == [2, -1, 1]
+
+
+# ----------------------------------------------------------------------------- FedProto
+
+def test_fedproto_client_loss_by_hand():
+    algo = ALGORITHMS.get("fedproto")
+    client = algo.Client(algo.Options(lam=2.0, alignment_reduction="sum"), SPEC, client_id=0)
+    model = FixedModel(num_classes=3)
+    client.receive(GlobalState(version=1, prototypes=pset([0], [[0, 0]], [1])), model)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    y = torch.tensor([0, 1])
+    loss, terms = client.loss(model, x, y)
+    # zero head -> uniform logits over 3 classes: CE = ln 3; only sample 0 has a prototype: 1 + 4 = 5
+    assert terms["ce"] == pytest.approx(math.log(3))
+    assert terms["align"] == pytest.approx(5.0)
+    assert loss.item() == pytest.approx(math.log(3) + 2.0 * 5.0)
+
+
+def test_fedproto_server_partial_participation_and_staleness():
+    algo = ALGORITHMS.get("fedproto")
+    server = algo.Server(algo.Options(), SPEC, torch.device("cpu"))
+    u1 = ClientUpdate(0, 0, 4, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 3]))
+    u2 = ClientUpdate(1, 0, 3, prototypes=pset([0], [[3, 0]], [3]))
+    server.aggregate([u1, u2], [1.0, 0.5], version=1)
+    state = server.broadcast(1)
+    assert state.prototypes.class_ids.tolist() == [0, 1]
+    # class 0: (1*1*[1,0] + 0.5*3*[3,0]) / (1 + 1.5) = [2.2, 0]
+    np.testing.assert_allclose(state.prototypes.vectors[0], [2.2, 0.0], rtol=1e-6)
+    server.aggregate([ClientUpdate(2, 1, 2, prototypes=pset([1], [[0, 5]], [2]))], [1.0], version=2)
+    state = server.broadcast(2)
+    np.testing.assert_allclose(state.prototypes.vectors[0], [2.2, 0.0], rtol=1e-6)  # kept
+    np.testing.assert_allclose(state.prototypes.vectors[1], [0.0, 5.0])
+
+
+def test_latest_scope_uses_every_clients_last_upload_with_age_weights():
+    algo = ALGORITHMS.get("fedproto")
+    server = algo.Server(algo.Options(aggregation_scope="latest", aggregation="uniform"), SPEC, torch.device("cpu"))
+    server.aggregate([ClientUpdate(0, 0, 1, prototypes=pset([0], [[0, 0]], [1]))], [1.0], version=1)
+    server.aggregate([ClientUpdate(1, 1, 1, prototypes=pset([0], [[4, 0]], [1]))], [1.0], version=2)
+    # client 0's upload is one version old: weight (1 + 1)^-0.5; client 1's is fresh: weight 1
+    w0 = 2 ** -0.5
+    np.testing.assert_allclose(server.broadcast(2).prototypes.vectors[0], [4 / (1 + w0), 0.0], rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- FedTGP
+
+def test_fedtgp_adaptive_margin_by_hand():
+    means = torch.tensor([[0.0, 0.0], [3.0, 4.0], [0.0, 1.0]])
+    # nearest-other distances: 1, sqrt(18), 1 -> max = sqrt(18) = 4.2426
+    assert adaptive_margin(means, 100.0) == pytest.approx(math.sqrt(18), rel=1e-5)
+    assert adaptive_margin(means, 2.0) == pytest.approx(2.0)  # clipped by tau
+    assert adaptive_margin(means[:1], 7.0) == pytest.approx(7.0)  # one class: no gap, tau
+
+
+def test_fedtgp_margin_contrastive_loss_by_hand():
+    protos = torch.tensor([[0.0, 0.0]])
+    labels = torch.tensor([0])
+    generated = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    # distances [~0, 5]; margin 1 on the true class -> logits [-1, -5]: CE = log(1 + e^-4)
+    loss = margin_contrastive_loss(protos, labels, generated, margin=1.0)
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-4)), rel=1e-4)
+
+
+def test_fedtgp_server_trains_generator_and_broadcasts_seen_classes_only():
+    algo = ALGORITHMS.get("fedtgp")
+    spec = FederationSpec(num_clients=2, num_classes=4, feature_dim=8, seed=0)
+    server = algo.Server(algo.Options(server_epochs=30, server_lr=0.1), spec, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(2, 8)).astype(np.float32) * 3
+    ups = [ClientUpdate(c, 0, 5, prototypes=PrototypeSet(np.array([0, 2]), centres + rng.normal(size=(2, 8)).astype(np.float32) * 0.1,
+                                                          np.array([2, 3]))) for c in range(2)]
+    before = server.generator(torch.tensor([0, 2])).detach()
+    metrics = server.aggregate(ups, [1.0, 1.0], version=1)
+    state = server.broadcast(1)
+    assert state.prototypes.class_ids.tolist() == [0, 2]  # classes 1 and 3 were never uploaded
+    after = torch.tensor(state.prototypes.vectors)
+    expected_margin = float(np.linalg.norm(centres[0] - centres[1]))
+    assert metrics["server_margin"] == pytest.approx(min(expected_margin, 100.0), rel=0.1)
+    # training pulls each generated prototype towards its class's uploads
+    target = torch.tensor(centres)
+    assert (after - target).norm(dim=1).mean() < (before - target).norm(dim=1).mean()
+
+
+# ----------------------------------------------------------------------------- FedAvg
+
+def test_average_weights_by_hand():
+    a = {"w": np.array([1.0, 2.0], np.float32), "n": np.array(1, np.int64)}
+    b = {"w": np.array([3.0, 4.0], np.float32), "n": np.array(2, np.int64)}
+    out = average_weights([a, b], [1.0, 3.0])
+    np.testing.assert_allclose(out["w"], [2.5, 3.5])
+    assert out["n"] == 2 and out["n"].dtype == np.int64  # (1 + 6) / 4 = 1.75 -> rounded
+
+
+def test_fedavg_server_sync_is_exact_average_and_stale_buffer_moves_less():
+    algo = ALGORITHMS.get("fedavg")
+    spec = FederationSpec(num_clients=2, num_classes=2, feature_dim=2, seed=0,
+                          build_model=lambda: torch.nn.Linear(2, 2, bias=False))
+    server = algo.Server(algo.Options(), spec, torch.device("cpu"))
+    server.global_weights = {"weight": np.zeros((2, 2), np.float32)}
+    u = [ClientUpdate(0, 0, 1, weights={"weight": np.ones((2, 2), np.float32)}),
+         ClientUpdate(1, 0, 3, weights={"weight": np.full((2, 2), 5.0, np.float32)})]
+    server.aggregate(u, [1.0, 1.0], version=1)
+    np.testing.assert_allclose(server.broadcast(1).weights["weight"], 4.0)  # (1*1 + 3*5) / 4
+    server.global_weights = {"weight": np.zeros((2, 2), np.float32)}
+    metrics = server.aggregate(u, [0.5, 0.5], version=2)
+    # both stale (weight 0.5): average still 4, mixed in at rate 0.5 -> 2
+    assert metrics["server_mixing_rate"] == pytest.approx(0.5)
+    np.testing.assert_allclose(server.broadcast(2).weights["weight"], 2.0)
+
+
+def test_fedavg_client_loads_global_weights_and_uploads_weights_only():
+    algo = ALGORITHMS.get("fedavg")
+    client = algo.Client(algo.Options(), SPEC, 0)
+    model = FixedModel()
+    client.receive(GlobalState(version=3, weights={"head.weight": np.full((2, 2), 7.0, np.float32)}), model)
+    assert torch.all(model.head.weight == 7.0)
+    up = client.make_update(model, torch.zeros(4, 2), torch.tensor([0, 1, 0, 1]))
+    assert up.prototypes is None and up.base_version == 3 and up.num_samples == 4
+    np.testing.assert_allclose(up.weights["head.weight"], 7.0)
+    assert client.inference_bank() is None
+
+
+def test_batches_cover_every_sample_once_and_never_leave_a_singleton():
+    from rayfed_proto.algorithms.base import TrainBatchIterator
+
+    it = TrainBatchIterator(torch.arange(21).float().unsqueeze(1), torch.arange(21), 10, torch.Generator().manual_seed(0))
+    batches = [yb for _, yb in it.epoch()]
+    assert [len(b) for b in batches] == [10, 11]  # 21 = 10 + 10 + 1: the 1 joins the previous batch
+    assert sorted(torch.cat(batches).tolist()) == list(range(21))

@@ -1,0 +1,89 @@
+"""Config loading, overrides and the errors a user sees (key, value, what is allowed)."""
+
+import pytest
+
+from rayfed_proto.config import ConfigError, build_config, load_config, parse_override
+
+
+def issues_of(raw, overrides=None):
+    with pytest.raises(ConfigError) as exc:
+        build_config(raw, overrides)
+    return {i.key: i for i in exc.value.issues}, str(exc.value)
+
+
+def test_defaults_are_the_demo_and_valid():
+    cfg = build_config({})
+    assert (cfg.algorithm.name, cfg.data.name, cfg.federation.mode) == ("fedtgp", "digits", "async")
+    assert cfg.algorithm_options().lam == 10.0
+
+
+def test_overrides_are_typed_yaml_scalars():
+    cfg = build_config({}, ["federation.mode=sync", "federation.rounds=7", "algorithm.name=fedproto",
+                            "algorithm.lam=0.5", "data.download=true", "resources.client_num_gpus=0.25"])
+    assert cfg.federation.mode == "sync" and cfg.federation.rounds == 7
+    assert cfg.algorithm_options().lam == 0.5 and cfg.data.download is True
+    assert cfg.resources.client_num_gpus == 0.25
+    assert parse_override("a.b=[1, 2]") == ("a.b", [1, 2])
+
+
+def test_unknown_algorithm_names_key_value_and_allowed():
+    issues, text = issues_of({"algorithm": {"name": "fedfoo"}})
+    assert issues["algorithm.name"].value == "fedfoo"
+    assert "fedavg" in issues["algorithm.name"].allowed and "fedtgp" in issues["algorithm.name"].allowed
+    assert "algorithm.name = 'fedfoo'" in text
+
+
+@pytest.mark.parametrize("value", [0, 1.5, -0.1])
+def test_participation_outside_unit_interval(value):
+    issues, _ = issues_of({"federation": {"participation": value}})
+    assert "(0, 1]" in issues["federation.participation"].allowed
+    assert issues["federation.participation"].value == value
+
+
+def test_buffer_larger_than_concurrency():
+    issues, _ = issues_of({"federation": {"concurrency": 2, "buffer_size": 3}})
+    assert "at most federation.concurrency (2)" in issues["federation.buffer_size"].allowed
+
+
+def test_heterogeneous_group_with_fedavg():
+    issues, _ = issues_of({"algorithm": {"name": "fedavg"}, "model": {"group": "small_hetero"}})
+    assert "HtFE1" in issues["model.group"].allowed and "same architecture" in issues["model.group"].allowed
+    assert build_config({"algorithm": {"name": "fedavg"}, "model": {"group": "HtFE1"}}).algorithm.name == "fedavg"
+
+
+def test_unknown_keys_and_bad_literals_and_algorithm_options():
+    issues, _ = issues_of({"federation": {"mdoe": "sync", "mode": "fast"}, "algorithm": {"name": "fedtgp", "lamda": 3}})
+    assert issues["federation.mdoe"].allowed == "unknown key"
+    assert "'async' or 'sync'" in issues["federation.mode"].allowed and issues["federation.mode"].value == "fast"
+    assert issues["algorithm.lamda"].allowed == "unknown key"
+
+
+def test_unknown_dataset_partitioner_and_group_listed():
+    issues, _ = issues_of({"data": {"name": "imagenet", "partition": {"name": "zipf"}}, "model": {"group": "HtFE9"}})
+    assert "digits" in issues["data.name"].allowed and "dirichlet" in issues["data.partition.name"].allowed
+    assert "HtFE8" in issues["model.group"].allowed
+
+
+def test_auto_or_number_fields():
+    issues, _ = issues_of({"resources": {"client_num_gpus": "lots"}})
+    assert "resources.client_num_gpus" in issues
+    issues, _ = issues_of({"resources": {"client_num_gpus": 1.5}})
+    assert "fraction" in issues["resources.client_num_gpus"].allowed
+
+
+def test_load_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="an existing YAML file"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("federation: [unclosed")
+    with pytest.raises(ConfigError, match="valid YAML"):
+        load_config(bad)
+    good = tmp_path / "good.yaml"
+    good.write_text("federation: {mode: sync, rounds: 3, eval_every: 1}\n")
+    assert load_config(good, ["seed=4"]).seed == 4
+
+
+def test_flat_params_cover_the_whole_config():
+    flat = build_config({}, ["algorithm.name=fedproto"]).flat()
+    assert flat["federation.mode"] == "async" and flat["data.partition.beta"] == 0.1
+    assert flat["algorithm.name"] == "fedproto"

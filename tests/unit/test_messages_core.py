@@ -1,0 +1,105 @@
+"""Message validation at the border and the server's buffer/staleness/version logic (no Ray)."""
+
+import numpy as np
+import pytest
+import torch
+
+from rayfed_proto.config import build_config
+from rayfed_proto.messages import ClientUpdate, PrototypeSet, UpdateSchema, validate_update
+from rayfed_proto.runtime.core import ServerCore
+
+SCHEMA = UpdateSchema(num_clients=3, num_classes=4, feature_dim=2, weight_shapes={"w": (2, 2)})
+
+
+def good(**kw):
+    base = dict(client_id=1, base_version=2, num_samples=5,
+                prototypes=PrototypeSet(np.array([0, 3]), np.zeros((2, 2), np.float32), np.array([2, 3])))
+    base.update(kw)
+    return ClientUpdate(**base)
+
+
+def test_valid_update_passes():
+    assert validate_update(good(), SCHEMA, current_version=2) is None
+
+
+@pytest.mark.parametrize("update,needle", [
+    (good(prototypes=PrototypeSet(np.array([0]), np.array([[np.nan, 0]], np.float32), np.array([1]))), "non-finite"),
+    (good(prototypes=PrototypeSet(np.array([0]), np.array([[np.inf, 0]], np.float32), np.array([1]))), "non-finite"),
+    (good(prototypes=PrototypeSet(np.array([0]), np.zeros((1, 3), np.float32), np.array([1]))), "shape"),
+    (good(prototypes=PrototypeSet(np.array([0, 9]), np.zeros((2, 2), np.float32), np.array([1, 1]))), "unknown class ids [9]"),
+    (good(prototypes=PrototypeSet(np.array([1, 1]), np.zeros((2, 2), np.float32), np.array([1, 1]))), "duplicate"),
+    (good(prototypes=PrototypeSet(np.array([1]), np.zeros((1, 2), np.float32), np.array([0]))), "counts"),
+    (good(base_version=3), "future"),
+    (good(client_id=7), "unknown client id 7"),
+    (good(num_samples=0), "num_samples"),
+    (good(weights={"w": np.zeros((3, 2), np.float32)}), "shape (3, 2), expected (2, 2)"),
+    (good(weights={"w": np.full((2, 2), np.nan, np.float32)}), "non-finite"),
+    (good(weights={"v": np.zeros((2, 2), np.float32)}), "weight keys differ"),
+    ("not an update", "not a ClientUpdate"),
+])
+def test_bad_updates_are_refused_with_reason(update, needle):
+    reason = validate_update(update, SCHEMA, current_version=2)
+    assert reason is not None and needle in reason
+
+
+def _core(mode="async", buffer=2, **fed):
+    cfg = build_config({"algorithm": {"name": "fedproto"}, "model": {"feature_dim": 2},
+                        "federation": {"mode": mode, "num_clients": 3, "rounds": 5, "concurrency": 3,
+                                       "buffer_size": buffer, "eval_every": 1, **fed}})
+    return ServerCore(cfg, num_classes=4, in_channels=1, image_size=8, device=torch.device("cpu"),
+                      buffer_size=buffer if mode == "async" else None)
+
+
+def upd(client, version, value=1.0):
+    return ClientUpdate(client, version, 4, prototypes=PrototypeSet(np.array([0]), np.full((1, 2), value, np.float32), np.array([4])))
+
+
+def test_async_buffer_produces_a_version_every_k_accepted_updates():
+    core = _core(buffer=2)
+    r1 = core.submit(upd(0, 0))
+    assert r1["accepted"] and "new_version" not in r1 and core.version == 0
+    r2 = core.submit(upd(1, 0, 3.0))
+    assert r2["new_version"] == 1 and core.version == 1
+    np.testing.assert_allclose(core.state.prototypes.vectors[0], [2.0, 2.0])  # mean of 1 and 3 (equal counts)
+
+
+def test_refused_and_stale_updates_are_counted_never_aggregated():
+    core = _core(buffer=1, max_staleness=1)
+    bad = upd(0, 0)
+    bad.prototypes.vectors[:] = np.nan
+    assert not core.submit(bad)["accepted"]
+    for v in range(3):  # versions 1, 2, 3
+        core.submit(upd(1, v, 1.0))
+    r = core.submit(upd(2, 0, 100.0))  # staleness 3 > 1
+    assert not r["accepted"] and "staleness 3" in r["reason"]
+    stats = core.read_stats()
+    assert stats["refused"] == 1 and stats["dropped_stale"] == 1 and stats["accepted"] == 3
+    assert np.isfinite(core.state.prototypes.vectors).all()
+    np.testing.assert_allclose(core.state.prototypes.vectors[0], [1.0, 1.0])
+
+
+def test_staleness_statistics_window():
+    core = _core(buffer=1)
+    core.submit(upd(0, 0))          # staleness 0 -> v1
+    core.submit(upd(1, 0))          # staleness 1 -> v2
+    core.submit(upd(2, 0))          # staleness 2 -> v3
+    s = core.read_stats()
+    assert s["staleness_mean"] == pytest.approx(1.0) and s["staleness_max"] == 2
+    assert core.read_stats()["staleness_max"] == 0  # window restarts
+
+
+def test_sync_core_waits_for_step_and_ignores_staleness_limit():
+    core = _core(mode="sync", buffer=2)
+    for c in range(3):
+        assert core.submit(upd(c, 0))["accepted"]
+    assert core.version == 0  # sync: the scheduler decides when the round is complete
+    assert core.step()["new_version"] == 1
+
+
+def test_updates_after_the_last_version_are_counted_as_late():
+    core = _core(buffer=1)
+    for _ in range(5):
+        core.submit(upd(0, core.version))
+    assert core.version == 5
+    r = core.submit(upd(1, 5))
+    assert not r["accepted"] and core.read_stats()["late"] == 1
