@@ -63,7 +63,8 @@ class TrainBatchIterator:
         chunks = list(torch.split(order, self.batch_size))
         if len(chunks) > 1 and len(chunks[-1]) == 1:
             # BatchNorm cannot train on one sample (ResNets reach 1x1 maps): fold it into the previous batch
-            chunks[-2] = torch.cat([chunks[-2], chunks.pop()])
+            last = chunks.pop()
+            chunks[-1] = torch.cat([chunks[-1], last])
         for idx in chunks:
             yield self.x[idx], self.y[idx]
 
