@@ -1,0 +1,451 @@
+"""Dataset loaders: every source becomes one in-memory :class:`ArrayDataset`.
+
+Each loader is registered in ``DATASETS`` under the name used by ``data.name`` and has the
+signature ``(cfg: DataConfig, seed: int) -> ArrayDataset``. All of them return square images
+of side ``cfg.image_size`` so that every client model sees one input shape, whatever the source.
+
+* ``digits``: scikit-learn's bundled 8x8 digits, the offline default.
+* ``synthetic``: class-conditional smooth patterns of any size and count, for scaling tests.
+* ``mnist``, ``fashion_mnist``, ``cifar10``, ``cifar100``: torchvision's files. The official
+  train and test splits are merged because, as in HtFLlib/FedSA, the whole set is partitioned
+  over clients and each client's share is then split 75/25 (see ``partition.make_partition``).
+* ``npz`` and ``folder``: users' own data, optionally carrying a natural client partition
+  (``client_ids``) and a fixed train/test split (``is_train``).
+
+torch, torchvision, PIL and scikit-learn are imported inside the functions that use them:
+``rayfed_proto.data`` is imported by config validation and the CLI, which must stay quick.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from rayfed_proto.config import DataConfig
+from rayfed_proto.data import DATASETS
+from rayfed_proto.data.base import ArrayDataset
+
+
+class DatasetNotFoundError(FileNotFoundError):
+    """The dataset's files are not where the config says; the message says how to fix it."""
+
+
+def load_dataset(cfg: DataConfig, seed: int = 0) -> ArrayDataset:
+    """Load ``cfg.name`` through the registry (an unknown name raises ``UnknownNameError``)."""
+    loader: Callable[[DataConfig, int], ArrayDataset] = DATASETS.get(cfg.name)
+    return loader(cfg, seed)
+
+
+# --------------------------------------------------------------------------- resizing
+
+# Bound on the float32 elements converted at once while resizing (64 MiB), so resizing
+# 70k MNIST images never holds a float copy of the whole set.
+_RESIZE_CHUNK_ELEMS = 1 << 24
+
+
+def resize_images(images: np.ndarray, size: int) -> np.ndarray:
+    """Resize (N, C, H, W) images to (N, C, size, size), keeping the dtype.
+
+    Bilinear, antialiased when shrinking. uint8 input stays uint8 (rounded), float input is
+    clipped to [0, 1]; the work is done in chunks to bound memory.
+    """
+    n, c, h, w = images.shape
+    if (h, w) == (size, size):
+        return images
+    import torch
+    import torch.nn.functional as F
+
+    out = np.empty((n, c, size, size), dtype=images.dtype)
+    antialias = size < h or size < w
+    chunk = max(1, _RESIZE_CHUNK_ELEMS // (c * max(h * w, size * size)))
+    for start in range(0, n, chunk):
+        x = torch.from_numpy(np.ascontiguousarray(images[start : start + chunk])).float()
+        y = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=antialias)
+        if images.dtype == np.uint8:
+            y = y.round_().clamp_(0, 255).to(torch.uint8)
+        else:
+            y = y.clamp_(0.0, 1.0)
+        out[start : start + chunk] = y.numpy()
+    return out
+
+
+# --------------------------------------------------------------------------- built-in sets
+
+
+@DATASETS.register("digits", help="scikit-learn's 1797 8x8 handwritten digits (offline, 10 classes)")
+def load_digits(cfg: DataConfig, seed: int) -> ArrayDataset:
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    bunch = sk_load_digits()
+    # pixel values are 0..16
+    images = (bunch.images.astype(np.float32) / 16.0)[:, None]
+    return ArrayDataset(
+        name="digits", images=resize_images(images, cfg.image_size), labels=bunch.target,
+        num_classes=10, class_names=[str(d) for d in range(10)],
+    )
+
+
+# Per-class templates are drawn at this resolution and upsampled, so they are smooth blobs.
+# Each sample is its class template at a random shift (up to image_size / 8), blended with
+# a random other class's template (weight up to 0.4) and with pixel noise. The classes are
+# learnable (nearest class mean scores about 0.95 on 10k 1-channel 32x32 images) but overlap.
+_SYNTH_TEMPLATE_RES = 4
+_SYNTH_MAX_BLEND = 0.4
+_SYNTH_NOISE_STD = 0.25
+
+
+@DATASETS.register("synthetic", help="seeded class-conditional smooth patterns of any size and count")
+def load_synthetic(cfg: DataConfig, seed: int) -> ArrayDataset:
+    import torch
+    import torch.nn.functional as F
+
+    rng = np.random.default_rng(seed)
+    n, k, c, size = cfg.num_samples, cfg.num_classes, cfg.channels, cfg.image_size
+    shift = max(1, size // 8)
+    span = 2 * shift + 1  # offsets 0..2*shift in each direction
+    low = rng.random((k, c, _SYNTH_TEMPLATE_RES, _SYNTH_TEMPLATE_RES), dtype=np.float32)
+    templates = F.interpolate(torch.from_numpy(low), size=(size + 2 * shift,) * 2, mode="bilinear",
+                              align_corners=False).numpy()
+    labels = rng.permutation(np.arange(n) % k)  # balanced: class counts differ by at most one
+    offsets = rng.integers(0, span * span, size=n)
+    other = (labels + rng.integers(1, k, size=n)) % k  # a class other than the sample's own
+    blend = rng.uniform(0, _SYNTH_MAX_BLEND, size=n).astype(np.float32)[:, None, None, None]
+    centred = templates[:, :, shift : shift + size, shift : shift + size]
+    images = np.empty((n, c, size, size), dtype=np.float32)
+    # built per distinct offset (at most span^2 groups): slices instead of a per-sample gather,
+    # and temporaries of one group's size rather than the whole set's
+    for off in np.unique(offsets):
+        dy, dx = divmod(int(off), span)
+        mask = offsets == off
+        group = templates[labels[mask], :, dy : dy + size, dx : dx + size]
+        group *= 1 - blend[mask]
+        group += blend[mask] * centred[other[mask]]
+        group += rng.standard_normal(group.shape, dtype=np.float32) * _SYNTH_NOISE_STD
+        images[mask] = np.clip(group, 0.0, 1.0, out=group)
+    return ArrayDataset(name="synthetic", images=images, labels=labels, num_classes=k)
+
+
+# --------------------------------------------------------------------------- torchvision sets
+
+
+@dataclass(frozen=True)
+class _TorchvisionSpec:
+    class_name: str  # attribute of torchvision.datasets
+    layout: str  # what a complete offline copy looks like under root, for error messages
+
+
+_TORCHVISION_SETS = {
+    "mnist": _TorchvisionSpec("MNIST", "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"),
+    "fashion_mnist": _TorchvisionSpec("FashionMNIST", "FashionMNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte"),
+    "cifar10": _TorchvisionSpec("CIFAR10", "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.meta)"),
+    "cifar100": _TorchvisionSpec("CIFAR100", "cifar-100-python/ (train, test, meta)"),
+}
+
+
+def _load_torchvision(name: str, cfg: DataConfig) -> ArrayDataset:
+    import torchvision.datasets
+
+    spec = _TORCHVISION_SETS[name]
+    root = Path(cfg.root).expanduser().resolve()
+    cls = getattr(torchvision.datasets, spec.class_name)
+    fix = (f"run with --set data.download=true on a machine with network access, or place the files "
+           f"under {root} in torchvision's layout: {root}/{spec.layout}")
+    splits = []
+    for train in (True, False):
+        try:
+            splits.append(cls(root=str(root), train=train, download=cfg.download))
+        # torchvision reports missing or corrupt files as RuntimeError; a failed download as
+        # URLError/socket errors (OSError) or RuntimeError
+        except (RuntimeError, OSError) as err:
+            if cfg.download:
+                raise DatasetNotFoundError(
+                    f"{name}: download to {root} failed (no network access?): {err}. Fix: {fix}") from err
+            raise DatasetNotFoundError(
+                f"{name}: dataset files not found (or incomplete) under {root} and data.download is false. "
+                f"Fix: {fix}") from err
+    images, labels = [], []
+    for ds in splits:
+        data = np.asarray(ds.data)  # MNIST: torch uint8 (N, H, W); CIFAR: numpy uint8 (N, H, W, C)
+        images.append(data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2))
+        labels.append(np.asarray(ds.targets, dtype=np.int64))
+    classes = [str(x) for x in splits[0].classes]
+    return ArrayDataset(
+        name=name, images=resize_images(np.concatenate(images), cfg.image_size),
+        labels=np.concatenate(labels), num_classes=len(classes), class_names=classes,
+    )
+
+
+def _register_torchvision(name: str, help: str) -> None:
+    def loader(cfg: DataConfig, seed: int) -> ArrayDataset:
+        return _load_torchvision(name, cfg)
+
+    loader.__name__ = f"load_{name}"
+    DATASETS.add(name, loader, help)
+
+
+_register_torchvision("mnist", "torchvision MNIST, train+test merged (70k 28x28 gray, 10 classes)")
+_register_torchvision("fashion_mnist", "torchvision FashionMNIST, train+test merged (70k 28x28 gray, 10 classes)")
+_register_torchvision("cifar10", "torchvision CIFAR-10, train+test merged (60k 32x32 RGB, 10 classes)")
+_register_torchvision("cifar100", "torchvision CIFAR-100, train+test merged (60k 32x32 RGB, 100 classes)")
+
+
+# --------------------------------------------------------------------------- user data: npz
+
+
+def _require_path(cfg: DataConfig) -> Path:
+    if not cfg.path:
+        raise ValueError(f"data.path is required when data.name is {cfg.name!r}")
+    return Path(cfg.path).expanduser().resolve()
+
+
+def _to_nchw(images: np.ndarray, where: str) -> np.ndarray:
+    """Bring (N, H, W), (N, H, W, C) or (N, C, H, W) to (N, C, H, W), C in {1, 3}."""
+    if images.ndim == 3:
+        return images[:, None]
+    if images.ndim != 4:
+        raise ValueError(f"{where}: 'images' must be (N, H, W), (N, H, W, C) or (N, C, H, W); got shape {images.shape}")
+    _, d1, d2, d3 = images.shape
+    # a trailing 1/3 is the channel axis unless dims 1, 2 cannot be H, W and dim 1 can be C
+    if d3 in (1, 3) and (d1 == d2 or d1 not in (1, 3)):
+        return images.transpose(0, 3, 1, 2)
+    if d1 in (1, 3):
+        return images
+    raise ValueError(f"{where}: cannot find a channel axis of size 1 or 3 in 'images' of shape {images.shape}")
+
+
+def _to_unit_range(images: np.ndarray, where: str) -> np.ndarray:
+    """uint8 stays uint8; other integers must be 0..255; floats above 1 are taken as 0..255."""
+    if images.dtype == np.uint8:
+        return images
+    lo, hi = float(images.min()), float(images.max())
+    if np.issubdtype(images.dtype, np.integer):
+        if lo < 0 or hi > 255:
+            raise ValueError(f"{where}: integer 'images' must be in 0..255, found {lo:g}..{hi:g}")
+        return images.astype(np.uint8)
+    if not np.issubdtype(images.dtype, np.floating):
+        raise ValueError(f"{where}: 'images' must be numeric, got dtype {images.dtype}")
+    if lo < 0 or hi > 255:
+        raise ValueError(f"{where}: float 'images' must be in [0, 1] or [0, 255], found {lo:g}..{hi:g}")
+    x = images.astype(np.float32)
+    return x / 255.0 if hi > 1.0 else x
+
+
+def _int_column(values: np.ndarray, key: str, where: str) -> np.ndarray:
+    """An integer (N,) column; floats are accepted only when every value is whole."""
+    if values.ndim != 1:
+        raise ValueError(f"{where}: {key!r} must be one-dimensional, got shape {values.shape}")
+    integral = np.issubdtype(values.dtype, np.integer) or (
+        np.issubdtype(values.dtype, np.floating) and bool(np.all(np.isfinite(values)))
+        and bool(np.all(values == np.round(values))))
+    if not integral:
+        raise ValueError(f"{where}: {key!r} must hold integers, got dtype {values.dtype}")
+    return values.astype(np.int64)
+
+
+@DATASETS.register("npz", help="a .npz file at data.path: images, labels [, client_ids, is_train, class_names]")
+def load_npz(cfg: DataConfig, seed: int) -> ArrayDataset:
+    """Load ``images`` and ``labels`` (plus the optional columns) from ``cfg.path``.
+
+    ``images``: (N, H, W), (N, H, W, C) or (N, C, H, W) with C in {1, 3}; uint8, or floats in
+    [0, 1] or [0, 255]. ``labels``: (N,) integers >= 0. Optional: ``client_ids`` (N,) integers
+    (used by the ``natural`` partitioner), ``is_train`` (N,) bool (replaces the per-client
+    split), ``class_names`` (num_classes,) strings.
+    """
+    path = _require_path(cfg)
+    if not path.is_file():
+        raise DatasetNotFoundError(f"npz dataset: file {path} (data.path) does not exist")
+    where = str(path)
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {key: f[key] for key in f.files}
+    for key in ("images", "labels"):
+        if key not in arrays:
+            raise ValueError(f"{where}: missing key {key!r} (keys present: {', '.join(sorted(arrays)) or 'none'})")
+    if len(arrays["images"]) == 0:
+        raise ValueError(f"{where}: 'images' is empty")
+    images = _to_unit_range(_to_nchw(arrays["images"], where), where)
+    n = len(images)
+    for key in ("labels", "client_ids", "is_train"):
+        if key in arrays and len(arrays[key]) != n:
+            raise ValueError(f"{where}: {key!r} has {len(arrays[key])} rows but 'images' has {n}")
+    labels = _int_column(arrays["labels"], "labels", where)
+    if labels.min() < 0:
+        raise ValueError(f"{where}: 'labels' must be >= 0, found {labels.min()}")
+    num_classes = int(labels.max()) + 1
+    class_names: list[str] = []
+    if "class_names" in arrays:
+        class_names = [str(x) for x in arrays["class_names"].reshape(-1)]
+        if len(class_names) < num_classes:
+            raise ValueError(f"{where}: 'class_names' has {len(class_names)} entries but labels go up to {num_classes - 1}")
+        num_classes = len(class_names)
+    client_ids = _int_column(arrays["client_ids"], "client_ids", where) if "client_ids" in arrays else None
+    is_train = None
+    if "is_train" in arrays:
+        raw = arrays["is_train"]
+        if raw.dtype != np.bool_ and not np.isin(raw, (0, 1)).all():
+            raise ValueError(f"{where}: 'is_train' must be bool (or 0/1), got dtype {raw.dtype}")
+        is_train = raw.astype(bool)
+    return ArrayDataset(
+        name=path.stem, images=resize_images(images, cfg.image_size), labels=labels,
+        num_classes=num_classes, class_names=class_names, client_ids=client_ids, is_train=is_train,
+    )
+
+
+# --------------------------------------------------------------------------- user data: folder
+
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm"}
+_GRAY_MODES = {"1", "L", "LA"}
+_CLIENT_DIR = re.compile(r"^(?:client_)?(\d+)$")
+_FOLDER_LAYOUT = (
+    "<path>/<class>/<image> (ImageFolder), optionally under <path>/train/ and <path>/test/ and/or "
+    "per-client <client_N or N>/ directories (<path>/[<train|test>/][<client_N>/]<class>/<image>), "
+    "or an index file <path>/index.csv with columns file,label[,client_id][,split]"
+)
+
+
+@dataclass
+class _Record:
+    file: Path
+    label: str  # class name, or an integer label as text (index.csv)
+    client_id: Optional[int]
+    is_train: Optional[bool]
+
+
+def _subdirs(p: Path) -> list[Path]:
+    return sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _is_image(p: Path) -> bool:
+    return p.suffix.lower() in _IMAGE_SUFFIXES and p.is_file()
+
+
+def _client_dirs(base: Path) -> list[tuple[Optional[int], Path]]:
+    """``[(client_id, dir_with_class_dirs)]``; ``[(None, base)]`` when there is no client level.
+
+    A level is per-client when every directory in it is named ``client_N`` or ``N`` and holds
+    class directories rather than images (so numeric class names such as ``0``..``9`` are
+    still read as classes).
+    """
+    dirs = _subdirs(base)
+    is_client_level = bool(dirs) and all(
+        _CLIENT_DIR.match(d.name) and _subdirs(d) and not any(_is_image(f) for f in d.iterdir()) for d in dirs
+    )
+    if not is_client_level:
+        return [(None, base)]
+    return [(int(_CLIENT_DIR.match(d.name).group(1)), d) for d in dirs]
+
+
+def _scan_directories(root: Path) -> list[_Record]:
+    top = {d.name: d for d in _subdirs(root)}
+    if top and set(top) <= {"train", "test"}:
+        if set(top) != {"train", "test"}:
+            raise ValueError(f"{root}: found only {next(iter(top))}/; a split layout needs both train/ and test/ "
+                             f"(expected {_FOLDER_LAYOUT})")
+        groups: list[tuple[Path, Optional[bool]]] = [(top["train"], True), (top["test"], False)]
+    else:
+        groups = [(root, None)]
+    records = []
+    for base, is_train in groups:
+        for client_id, class_root in _client_dirs(base):
+            for class_dir in _subdirs(class_root):
+                records.extend(_Record(f, class_dir.name, client_id, is_train)
+                               for f in sorted(class_dir.rglob("*")) if _is_image(f))
+    if records and len({r.client_id is None for r in records}) > 1:
+        raise ValueError(f"{root}: train/ and test/ must both use per-client directories or neither")
+    return records
+
+
+def _read_index(root: Path, index: Path) -> list[_Record]:
+    with open(index, newline="") as f:
+        reader = csv.DictReader(f)
+        columns = [c.strip() for c in reader.fieldnames or []]
+        missing = {"file", "label"} - set(columns)
+        if missing:
+            raise ValueError(f"{index}: missing column(s) {', '.join(sorted(missing))}; "
+                             f"expected file,label[,client_id][,split], found {','.join(columns)}")
+        records = []
+        for line, row in enumerate(reader, start=2):
+            row = {k.strip(): (v or "").strip() for k, v in row.items() if k is not None}
+            file = root / row["file"]
+            if not file.is_file():
+                raise DatasetNotFoundError(f"{index} line {line}: image {file} does not exist")
+            client_id = None
+            if row.get("client_id"):
+                try:
+                    client_id = int(row["client_id"])
+                except ValueError:
+                    raise ValueError(f"{index} line {line}: client_id {row['client_id']!r} is not an integer") from None
+            is_train = None
+            if row.get("split"):
+                split = row["split"].lower()
+                if split not in ("train", "test"):
+                    raise ValueError(f"{index} line {line}: split must be 'train' or 'test', got {row['split']!r}")
+                is_train = split == "train"
+            records.append(_Record(file, row["label"], client_id, is_train))
+    for col, values in (("client_id", [r.client_id for r in records]), ("split", [r.is_train for r in records])):
+        if len({v is None for v in values}) > 1:
+            raise ValueError(f"{index}: column {col} must be filled on every row or on none")
+    return records
+
+
+def _decode_images(files: list[Path], size: int) -> np.ndarray:
+    """(N, C, size, size) uint8; C = 1 when every image is grayscale, else RGB."""
+    from PIL import Image
+
+    modes = []
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                modes.append(im.mode)
+        except OSError as err:
+            raise ValueError(f"cannot read image {f}: {err}") from None
+    mode = "L" if all(m in _GRAY_MODES for m in modes) else "RGB"
+    out = np.empty((len(files), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
+    for i, f in enumerate(files):
+        with Image.open(f) as im:
+            # images can differ in size, so each is resized on its own; PIL's bilinear filter
+            # widens its support when shrinking, i.e. it antialiases like the torch path
+            arr = np.asarray(im.convert(mode).resize((size, size), Image.Resampling.BILINEAR))
+        out[i] = arr[None] if mode == "L" else arr.transpose(2, 0, 1)
+    return out
+
+
+@DATASETS.register("folder", help="an image folder at data.path (<class>/<image>, optional train|test and client_N levels, or index.csv)")
+def load_folder(cfg: DataConfig, seed: int) -> ArrayDataset:
+    """Load images from ``cfg.path``; see ``_FOLDER_LAYOUT`` for the accepted layouts.
+
+    With ``index.csv`` present the directory layout is ignored: each row names an image
+    (relative to ``cfg.path``), its label (a class name, or an integer class index), and
+    optionally its client and split, so a partition published by another library is
+    replayed exactly. Client directories/ids become ``client_ids`` (for the ``natural``
+    partitioner) and train/test become ``is_train``.
+    """
+    root = _require_path(cfg)
+    if not root.is_dir():
+        raise DatasetNotFoundError(f"folder dataset: directory {root} (data.path) does not exist; expected {_FOLDER_LAYOUT}")
+    index = root / "index.csv"
+    records = _read_index(root, index) if index.is_file() else _scan_directories(root)
+    if not records:
+        raise DatasetNotFoundError(f"folder dataset: no images found in {root}; expected {_FOLDER_LAYOUT}")
+    names = sorted({r.label for r in records})
+    if all(re.fullmatch(r"\d+", name) for name in names):
+        # integer labels (index.csv, or numeric class directories) keep their value
+        labels = np.array([int(r.label) for r in records], dtype=np.int64)
+        class_names = [str(c) for c in range(int(labels.max()) + 1)]
+    else:
+        lookup = {name: i for i, name in enumerate(names)}
+        labels = np.array([lookup[r.label] for r in records], dtype=np.int64)
+        class_names = names
+    has_clients = records[0].client_id is not None
+    has_split = records[0].is_train is not None
+    return ArrayDataset(
+        name=root.name, images=_decode_images([r.file for r in records], cfg.image_size), labels=labels,
+        num_classes=len(class_names), class_names=class_names,
+        client_ids=np.array([r.client_id for r in records], dtype=np.int64) if has_clients else None,
+        is_train=np.array([r.is_train for r in records], dtype=bool) if has_split else None,
+    )
