@@ -10,9 +10,9 @@ from rayfed_proto.registry import Registry
 DATASETS: Registry = Registry("dataset")
 PARTITIONERS: Registry = Registry("partitioner")
 
-from rayfed_proto.data.base import ArrayDataset  # noqa: E402
 from rayfed_proto.data import datasets as _datasets  # noqa: E402,F401  (registers loaders)
 from rayfed_proto.data import partition as _partition  # noqa: E402,F401  (registers partitioners)
+from rayfed_proto.data.base import ArrayDataset  # noqa: E402
 from rayfed_proto.data.datasets import load_dataset  # noqa: E402
 from rayfed_proto.data.partition import ClientSplit, Partition, make_partition  # noqa: E402
 

@@ -63,7 +63,7 @@ class ArrayDataset:
             return images.astype(np.float32) / 255.0
         return images.astype(np.float32, copy=False)
 
-    def subset(self, indices: np.ndarray) -> "ArrayDataset":
+    def subset(self, indices: np.ndarray) -> ArrayDataset:
         idx = np.asarray(indices, dtype=np.int64)
         return ArrayDataset(
             name=self.name, images=self.images[idx], labels=self.labels[idx],
