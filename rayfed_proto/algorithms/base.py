@@ -239,4 +239,4 @@ def as_numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:
 
 def load_numpy_state(module: torch.nn.Module, weights: dict[str, np.ndarray]) -> None:
     device = next(module.parameters()).device
-    module.load_state_dict({k: torch.as_tensor(v, device=device) for k, v in weights.items()})
+    module.load_state_dict({k: torch.tensor(v, device=device) for k, v in weights.items()})  # copy: read-only views

@@ -124,8 +124,9 @@ def nearest_prototype_predict(features: torch.Tensor, bank: Optional[PrototypeSe
     """Class of the nearest bank vector for each feature (prototype inference mode)."""
     if bank is None or len(bank) == 0:
         return None
-    vecs = torch.as_tensor(bank.vectors, dtype=features.dtype, device=features.device)
-    ids = torch.as_tensor(bank.class_ids, device=features.device)
+    # torch.tensor copies: arrays from Ray's object store are read-only views
+    vecs = torch.tensor(bank.vectors, dtype=features.dtype, device=features.device)
+    ids = torch.tensor(bank.class_ids, device=features.device)
     return ids[safe_cdist(features, vecs).argmin(1)]
 
 
@@ -134,8 +135,8 @@ def bank_tensors(bank: Optional[PrototypeSet], num_classes: int, device) -> tupl
     if bank is None or len(bank) == 0:
         return torch.zeros(num_classes, 0, device=device), torch.zeros(num_classes, dtype=torch.bool, device=device)
     dense = torch.zeros(num_classes, bank.vectors.shape[1], device=device)
-    ids = torch.as_tensor(bank.class_ids, device=device)
-    dense[ids] = torch.as_tensor(bank.vectors, device=device)
+    ids = torch.tensor(bank.class_ids, device=device)  # copies: object-store arrays are read-only
+    dense[ids] = torch.tensor(bank.vectors, device=device)
     mask = torch.zeros(num_classes, dtype=torch.bool, device=device)
     mask[ids] = True
     return dense, mask

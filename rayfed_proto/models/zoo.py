@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torchvision
 from torch import nn
 
 from rayfed_proto.models import ARCHITECTURES, MODEL_GROUPS
@@ -173,6 +172,8 @@ def _googlenet(in_channels: int, image_size: int) -> nn.Module:
     # transform_input re-normalises 3 ImageNet channels, wrong for other data and impossible with 1
     # channel. torchvision's dropout before the removed fc stays: it regularises the features in
     # training and is off in eval mode, where prototypes are computed.
+    import torchvision  # imported lazily: 1.5 s per process, and the small CNNs never need it
+
     model = torchvision.models.googlenet(weights=None, aux_logits=False, transform_input=False, init_weights=True)
     model.conv1.conv = _first_conv(model.conv1.conv, in_channels, _googlenet_init)
     model.fc = nn.Identity()
@@ -181,6 +182,8 @@ def _googlenet(in_channels: int, image_size: int) -> nn.Module:
 
 @_architecture("mobilenet_v2", help="torchvision MobileNetV2, untrained; 1280-d")
 def _mobilenet_v2(in_channels: int, image_size: int) -> nn.Module:
+    import torchvision
+
     model = torchvision.models.mobilenet_v2(weights=None)
     model.features[0][0] = _first_conv(model.features[0][0], in_channels, _kaiming_fan_out)
     model.classifier = nn.Identity()  # its dropout + fc; the forward already pools and flattens
@@ -190,9 +193,10 @@ def _mobilenet_v2(in_channels: int, image_size: int) -> nn.Module:
 def _register_resnet(depth: int, width: int) -> None:
     # torchvision's ImageNet stem (conv7x7/2 + maxpool) is kept, as HtFLlib does: small images
     # reach 1x1 maps early, and the adaptive average pool still yields finite features.
-    constructor = getattr(torchvision.models, f"resnet{depth}")
-
     def make(in_channels: int, image_size: int) -> nn.Module:
+        import torchvision
+
+        constructor = getattr(torchvision.models, f"resnet{depth}")
         model = constructor(weights=None)
         model.conv1 = _first_conv(model.conv1, in_channels, _kaiming_fan_out)
         model.fc = nn.Identity()
