@@ -130,6 +130,7 @@ class ResourcesConfig(_Section):
     server_num_cpus: Union[Auto, float] = "auto"
     server_num_gpus: Union[Auto, float] = "auto"
     torch_threads: Union[Auto, int] = "auto"
+    placement_timeout_s: float = Field(600.0, gt=0, description="fail if actors are not placed and started within this time")
 
     @field_validator("client_num_cpus", "client_num_gpus", "server_num_cpus", "server_num_gpus")
     @classmethod

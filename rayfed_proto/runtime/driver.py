@@ -7,6 +7,7 @@ output folder) is checked before Ray starts.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -117,7 +118,7 @@ def run_experiment(
             cfg_dict, [splits[c] for c in group], plan.torch_threads) for group in groups]
         echo(f"starting {len(actors)} client actors ({fed.num_clients} clients) and 1 server actor; "
              f"per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; concurrency {plan.concurrency}")
-        placements = ray.get([a.info.remote() for a in actors] + [server.info.remote()])
+        _wait_until_placed(actors, server, plan, total, cfg.resources.placement_timeout_s, progress)
 
         bar = None
         if progress:
@@ -171,6 +172,36 @@ def run_experiment(
     finally:
         tracker.end(status)
         _shutdown_actors(actors + ([server] if server is not None else []))
+
+
+def _wait_until_placed(actors: list, server, plan, cluster: dict, timeout: float, progress: bool) -> None:
+    """Block until every actor has started; a request the cluster cannot place fails loudly."""
+    import ray
+
+    refs = [a.info.remote() for a in actors] + [server.info.remote()]
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(refs), desc="starting actors", unit="actor", dynamic_ncols=True, leave=False)
+    deadline = time.monotonic() + timeout
+    pending = refs
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise InputError(
+                    f"{len(pending)} of {len(refs)} actors were not placed within {timeout:.0f} s. Each client actor asks "
+                    f"{plan.client_num_cpus:g} CPU and {plan.client_num_gpus:g} GPU, the server {plan.server_num_cpus:g} CPU "
+                    f"and {plan.server_num_gpus:g} GPU; the cluster has {cluster.get('CPU', 0):g} CPU and "
+                    f"{cluster.get('GPU', 0):g} GPU (other jobs may hold some). Lower resources.client_num_gpus / "
+                    f"client_num_cpus, raise resources.clients_per_actor, or raise resources.placement_timeout_s.")
+            ray.get(ready)  # re-raises an actor's constructor error
+            if bar is not None:
+                bar.update(len(ready))
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _shutdown_actors(handles: list) -> None:

@@ -41,10 +41,11 @@ def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: flo
     client_cpus = _floor((cluster_cpus - server_cpus) / num_actors) if res.client_num_cpus == "auto" else float(res.client_num_cpus)
 
     if cluster_gpus > 0:
-        # the server gets the same share as a client actor (it trains generators/anchors there)
-        share = _floor(cluster_gpus / (num_actors + 1), 0.01)
-        if share > 1:
-            share = float(math.floor(share))
+        # The server gets the same share as a client actor (it trains generators/anchors there).
+        # A fractional share must fit on ONE GPU (Ray never splits a request across GPUs), so the
+        # share is 1 / (actors per GPU), not total / actors: 5 actors on 2 GPUs get 1/3, not 0.4.
+        whole_gpus = max(1, int(cluster_gpus))
+        share = _floor(1.0 / math.ceil((num_actors + 1) / whole_gpus), 0.01)
     else:
         share = 0.0
     server_gpus = share if res.server_num_gpus == "auto" else float(res.server_num_gpus)
@@ -57,11 +58,12 @@ def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: flo
             allowed=f"{num_actors} client actors x {client_cpus:g} CPU + server {server_cpus:g} CPU = "
             f"{server_cpus + num_actors * client_cpus:g} > the cluster's {cluster_cpus:g} CPUs; lower it, use 'auto', "
             f"or raise resources.clients_per_actor"))
-    if server_gpus + num_actors * client_gpus > cluster_gpus + 1e-6:
+    if not gpu_requests_fit([server_gpus] + [client_gpus] * num_actors, cluster_gpus):
         issues.append(ConfigIssue(
             key="resources.client_num_gpus", value=res.client_num_gpus,
             allowed=f"{num_actors} client actors x {client_gpus:g} GPU + server {server_gpus:g} GPU = "
-            f"{server_gpus + num_actors * client_gpus:g} > the cluster's {cluster_gpus:g} GPUs; lower it or use 'auto'"))
+            f"{server_gpus + num_actors * client_gpus:g} do not fit the cluster's {cluster_gpus:g} GPUs (a fractional "
+            f"share must fit on one GPU: at most {int(1 / client_gpus) if 0 < client_gpus < 1 else 1} per GPU); lower it or use 'auto'"))
     if client_cpus <= 0:
         issues.append(ConfigIssue(key="resources.client_num_cpus", value=res.client_num_cpus,
                                   allowed=f"the cluster's {cluster_cpus:g} CPUs leave nothing for {num_actors} client actors"))
@@ -76,6 +78,27 @@ def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: flo
     else:
         threads = max(1, int(cluster_cpus // max(concurrency, 1)))
     return ResourcePlan(num_actors, res.clients_per_actor, client_cpus, client_gpus, server_cpus, server_gpus, threads, concurrency)
+
+
+def gpu_requests_fit(requests: list[float], cluster_gpus: float) -> bool:
+    """Whether Ray can place these GPU requests at once: whole requests take whole GPUs, and
+    each fractional one must fit on a single GPU (first-fit decreasing, in Ray's 1e-4 units)."""
+    units = 10_000
+    free = [units] * int(math.floor(cluster_gpus + 1e-9))
+    for r in sorted((round(x * units) for x in requests if x > 0), reverse=True):
+        if r >= units:
+            whole = -(-r // units)
+            idle = [i for i, f in enumerate(free) if f == units]
+            if len(idle) < whole:
+                return False
+            for i in idle[:whole]:
+                free[i] = 0
+        else:
+            slot = next((i for i, f in enumerate(free) if f >= r), None)
+            if slot is None:
+                return False
+            free[slot] -= r
+    return True
 
 
 def assign_clients(num_clients: int, clients_per_actor: int) -> list[list[int]]:

@@ -1,0 +1,126 @@
+"""Real runs: Ray actors on the shared instance, metrics read back from MLflow."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from rayfed_proto.config import build_config
+from rayfed_proto.runtime.driver import run_experiment
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20", "model.group=small_hetero",
+         "model.feature_dim=64", "federation.num_clients=4", "algorithm.server_epochs=5"]
+
+
+def metric_steps(client, run_id, key):
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def artifact_paths(client, run_id, path=None):
+    out = []
+    for f in client.list_artifacts(run_id, path):
+        out.extend(artifact_paths(client, run_id, f.path) if f.is_dir else [f.path])
+    return out
+
+
+def test_async_fedtgp_run_writes_metrics_params_and_artifacts(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, SMALL + track + ["federation.mode=async", "federation.rounds=6", "federation.eval_every=2",
+                                            "federation.buffer_size=2", "federation.concurrency=2"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    assert result.final_version == 6
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    assert run.info.status == "FINISHED"
+    acc = metric_steps(client, result.run_id, "head_acc")
+    assert [s for s, _ in acc] == [0, 2, 4, 6]
+    assert all(0.0 <= v <= 1.0 for _, v in acc)
+    assert [s for s, _ in metric_steps(client, result.run_id, "proto_acc")] == [2, 4, 6]  # no bank at version 0
+    up = metric_steps(client, result.run_id, "bytes_up")
+    assert up[-1][1] > up[1][1] > 0  # cumulative bytes grow
+    assert metric_steps(client, result.run_id, "updates_refused")[-1][1] == 0
+    # the whole resolved config is logged, flattened
+    assert run.data.params["federation.mode"] == "async" and run.data.params["algorithm.name"] == "fedtgp"
+    assert run.data.params["data.partition.beta"] == "0.5"
+    arts = set(artifact_paths(client, result.run_id))
+    for expected in ("config.yaml", "partition.parquet", "history.parquet", "summary.txt",
+                     "plots/accuracy_vs_version.png", "plots/accuracy_vs_wall_time.png",
+                     "plots/label_distribution.png", "plots/prototype_margin.png",
+                     "prototypes/global_prototypes.npz", "prototypes/global_prototypes.parquet"):
+        assert expected in arts, f"missing artifact {expected}: {sorted(arts)}"
+    bank = np.load(result.output_dir / "global_prototypes.npz")
+    assert bank["vectors"].shape[1] == 64 and np.isfinite(bank["vectors"]).all()
+
+
+def test_sync_fedproto_partial_participation(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.mode=sync", "federation.rounds=3",
+                                            "federation.eval_every=1", "federation.participation=0.5"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    client = MlflowClient(uri)
+    assert [s for s, _ in metric_steps(client, result.run_id, "head_acc")] == [0, 1, 2, 3]
+    last = result.history[-1]
+    # 2 of 4 clients per round, 3 rounds, all fresh
+    assert last["updates_accepted"] == 6 and last["updates_dispatched"] == 6
+    assert last["staleness_max"] == 0 and last["updates_dropped"] == 0
+
+
+def test_sync_fedavg_homogeneous(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, SMALL + track + ["algorithm.name=fedavg", "model.group=HtFE1", "federation.mode=sync",
+                                            "federation.rounds=2", "federation.eval_every=1"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    assert result.final_version == 2
+    assert "proto_acc" not in result.history[-1]  # FedAvg has no prototype inference
+    assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
+
+
+def test_four_clients_with_quarter_gpu_shares_are_placed(ray_session, tracking):
+    _, track = tracking
+    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=1", "federation.eval_every=1",
+                                            "resources.client_num_gpus=0.25", "resources.server_num_gpus=0.25"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    clients, server = result.placements[:-1], result.placements[-1]
+    assert len(clients) == 4
+    for p in clients:
+        assert p["assigned"].get("GPU") == pytest.approx(0.25)
+        assert len(p["gpu_ids"]) == 1  # Ray assigned a (logical) GPU to the actor
+        assert p["device"] == ("cuda" if p["cuda_available"] else "cpu")  # CPU fallback without CUDA
+    assert server["assigned"].get("GPU") == pytest.approx(0.25)
+
+
+def test_cli_default_run_with_lowered_round_count(ray_session, tracking):
+    from rayfed_proto.cli import main
+
+    _, track = tracking
+    args = ["run", "--no-progress", "--set", "federation.rounds=2", "--set", "federation.eval_every=1"]
+    for t in track:
+        args += ["--set", t]
+    assert main(args) == 0
+
+
+def test_cli_bad_config_exits_2_naming_the_key(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rayfed_proto.cli", "run", "--set", "federation.participation=1.5",
+                           "--set", "algorithm.name=fedfoo"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2
+    assert "federation.participation = 1.5" in proc.stderr and "(0, 1]" in proc.stderr
+    assert "algorithm.name = 'fedfoo'" in proc.stderr and "fedtgp" in proc.stderr
+    assert not (tmp_path / "mlflow.db").exists()  # refused before anything was started or written
+
+
+def test_cli_validate_and_list_do_not_start_ray(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("federation: {mode: sync, rounds: 3, eval_every: 1}\nalgorithm: {name: fedproto}\n")
+    ok = subprocess.run([sys.executable, "-m", "rayfed_proto.cli", "validate", str(cfg)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "config OK" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "rayfed_proto.cli", "validate", str(cfg), "--set", "federation.buffer_size=0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "federation.buffer_size" in bad.stderr
+    listing = subprocess.run([sys.executable, "-m", "rayfed_proto.cli", "list"], capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0
+    for name in ("fedtgp", "fedproto", "fedavg", "digits", "cifar100", "dirichlet", "nway_kshot", "HtFE8", "small_hetero"):
+        assert name in listing.stdout
