@@ -313,11 +313,19 @@ def _algorithm_issues(name: str, options: dict[str, Any]) -> list[ConfigIssue]:
     from rayfed_proto.algorithms import ALGORITHMS
 
     if name not in ALGORITHMS:
-        return []
+        return [ConfigIssue(key="algorithm.name", value=name, allowed="one of " + ", ".join(ALGORITHMS.names()))]
     try:
         ALGORITHMS.get(name).Options(**options)
     except ValidationError as err:
-        return _issues_from_validation(err, options, prefix="algorithm.")
+        issues = _issues_from_validation(err, options, prefix="algorithm.")
+        for issue in issues:
+            if issue.allowed == "unknown key":
+                key = issue.key[len("algorithm."):]
+                owners = [a for a in ALGORITHMS.names() if key in ALGORITHMS.get(a).Options.model_fields]
+                known = ", ".join(ALGORITHMS.get(name).Options.model_fields)
+                issue.allowed = (f"not an option of {name}" + (f" (it belongs to {', '.join(owners)})" if owners else "")
+                                 + f"; {name} accepts: {known}")
+        return issues
     return []
 
 
@@ -335,10 +343,8 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
             return False
         return True
 
-    algo_cls = None
-    if check_name("algorithm.name", cfg.algorithm.name, ALGORITHMS):
-        algo_cls = ALGORITHMS.get(cfg.algorithm.name)
-        issues.extend(_algorithm_issues(cfg.algorithm.name, cfg.algorithm.options()))
+    issues.extend(_algorithm_issues(cfg.algorithm.name, cfg.algorithm.options()))
+    algo_cls = ALGORITHMS.get(cfg.algorithm.name) if cfg.algorithm.name in ALGORITHMS else None
     check_name("data.name", cfg.data.name, DATASETS)
     check_name("data.partition.name", cfg.data.partition.name, PARTITIONERS)
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)

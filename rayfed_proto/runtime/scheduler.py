@@ -18,6 +18,7 @@ The scheduler never inspects a payload and never names an algorithm.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -71,6 +72,7 @@ class Scheduler:
         self.eval_refs: dict[Any, int] = {}  # ref -> version
         self.eval_results: dict[int, list] = {}
         self.eval_pending: dict[int, int] = {}
+        self.eval_snapshot: dict[int, tuple] = {}  # version -> (scheduler stats, wall, server stats ref)
         self.busy_actors: set[int] = set()
         self.round_queue: list[int] = []
         self.round_outstanding = 0
@@ -117,6 +119,10 @@ class Scheduler:
                 self._dispatch(int(self.rng.choice(idle)))
 
     def _start_eval(self, version: int) -> None:
+        # Counters are read now, when the version exists: evaluation results arrive later (they
+        # queue behind local updates on the actors) and must not be credited with later work.
+        self.eval_snapshot[version] = (dataclasses.replace(self.stats, last_loss=dict(self.stats.last_loss)),
+                                       self.wall(), self.server.stats.remote())
         self.eval_pending[version] = len(self.actors)
         self.eval_results[version] = []
         for a, clients in enumerate(self.actor_clients):
@@ -164,14 +170,13 @@ class Scheduler:
         if self.eval_pending[version] == 0:
             del self.eval_pending[version]
             results = self.eval_results.pop(version)
-            server_stats = ray.get(self.server.stats.remote())
-            self.on_eval(version, self._metrics(version, results, server_stats))
+            stats, wall, server_ref = self.eval_snapshot.pop(version)
+            self.on_eval(version, self._metrics(version, results, ray.get(server_ref), stats, wall))
 
     # ---------------------------------------------------------------------------- metrics
-    def _metrics(self, version: int, results: list[dict], server: dict) -> dict[str, Any]:
+    def _metrics(self, version: int, results: list[dict], server: dict, stats: SchedulerStats, wall: float) -> dict[str, Any]:
         n = np.array([r["n"] for r in results], float)
         head = np.array([r["head_correct"] for r in results], float)
-        wall = self.wall()
         m: dict[str, Any] = {
             "head_acc": float(head.sum() / n.sum()),
             "head_acc_mean": float(np.mean(head / np.maximum(n, 1))),
@@ -181,17 +186,17 @@ class Scheduler:
             proto = np.array([r["proto_correct"] for r in results], float)
             m.update(proto_acc=float(proto.sum() / n.sum()), proto_acc_mean=float(np.mean(proto / np.maximum(n, 1))),
                      proto_acc_std=float(np.std(proto / np.maximum(n, 1))))
-        losses = [v for v in self.stats.last_loss.values() if math.isfinite(v)]
+        losses = [v for v in stats.last_loss.values() if math.isfinite(v)]
         margin_min, margin_mean = server["margins"].get(version, (float("nan"), float("nan")))
         m.update(
             train_loss=float(np.mean(losses)) if losses else float("nan"),
             proto_margin_min=margin_min, proto_margin_mean=margin_mean,
-            bytes_up=self.stats.bytes_up, bytes_down=self.stats.bytes_down,
+            bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
             staleness_mean=server["staleness_mean"], staleness_max=server["staleness_max"],
             updates_accepted=server["accepted"], updates_dropped=server["dropped_stale"],
-            updates_refused=server["refused"], updates_dispatched=self.stats.dispatched,
-            client_busy_s=self.stats.busy_s, server_train_s=server["server_train_s"], wall_s=wall,
-            slot_utilisation=self.stats.busy_s / (self.concurrency * wall) if wall > 0 else float("nan"),
+            updates_refused=server["refused"], updates_dispatched=stats.dispatched,
+            client_busy_s=stats.busy_s, server_train_s=server["server_train_s"], wall_s=wall,
+            slot_utilisation=stats.busy_s / (self.concurrency * wall) if wall > 0 else float("nan"),
         )
         for k, v in server.get("server_metrics", {}).items():
             m[k] = v

@@ -13,7 +13,7 @@ from rayfed_proto.runtime.driver import run_experiment
 pytestmark = pytest.mark.integration
 
 SMALL = ["data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20", "model.group=small_hetero",
-         "model.feature_dim=64", "federation.num_clients=4", "algorithm.server_epochs=5"]
+         "model.feature_dim=64", "federation.num_clients=4"]
 
 
 def metric_steps(client, run_id, key):
@@ -29,7 +29,7 @@ def artifact_paths(client, run_id, path=None):
 
 def test_async_fedtgp_run_writes_metrics_params_and_artifacts(ray_session, tracking):
     uri, track = tracking
-    cfg = build_config({}, SMALL + track + ["federation.mode=async", "federation.rounds=6", "federation.eval_every=2",
+    cfg = build_config({}, SMALL + track + ["algorithm.server_epochs=5", "federation.mode=async", "federation.rounds=6", "federation.eval_every=2",
                                             "federation.buffer_size=2", "federation.concurrency=2"])
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     assert result.final_version == 6

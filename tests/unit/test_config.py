@@ -55,7 +55,13 @@ def test_unknown_keys_and_bad_literals_and_algorithm_options():
     issues, _ = issues_of({"federation": {"mdoe": "sync", "mode": "fast"}, "algorithm": {"name": "fedtgp", "lamda": 3}})
     assert issues["federation.mdoe"].allowed == "unknown key"
     assert "'async' or 'sync'" in issues["federation.mode"].allowed and issues["federation.mode"].value == "fast"
-    assert issues["algorithm.lamda"].allowed == "unknown key"
+    assert issues["algorithm.lamda"].allowed.startswith("not an option of fedtgp")
+    assert "margin_threshold" in issues["algorithm.lamda"].allowed  # lists what fedtgp accepts
+
+
+def test_option_of_another_algorithm_says_which_one_owns_it():
+    issues, _ = issues_of({"algorithm": {"name": "fedproto", "server_epochs": 5}})
+    assert "(it belongs to fedtgp)" in issues["algorithm.server_epochs"].allowed
 
 
 def test_unknown_dataset_partitioner_and_group_listed():
@@ -87,3 +93,8 @@ def test_flat_params_cover_the_whole_config():
     flat = build_config({}, ["algorithm.name=fedproto"]).flat()
     assert flat["federation.mode"] == "async" and flat["data.partition.beta"] == 0.1
     assert flat["algorithm.name"] == "fedproto"
+
+
+def test_every_problem_is_reported_in_one_pass():
+    issues, _ = issues_of({"federation": {"participation": 1.5}, "algorithm": {"name": "fedfoo"}})
+    assert set(issues) == {"federation.participation", "algorithm.name"}
