@@ -292,6 +292,9 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
     issues = semantic_issues(cfg)
     if issues:
         raise ConfigError(issues, source)
+    # Resolve the algorithm's defaults into the config, so that logged params, the saved
+    # config.yaml and `validate --show` hold every value the run uses (typed, not as written).
+    cfg.algorithm = AlgorithmConfig(name=cfg.algorithm.name, **cfg.algorithm_options().model_dump(mode="json"))
     return cfg
 
 
@@ -350,8 +353,8 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)
 
     if algo_cls is not None and group_ok and algo_cls.requires_homogeneous_models:
-        archs = MODEL_GROUPS.get(cfg.model.group)
-        if len(set(archs[: cfg.federation.num_clients])) > 1:
+        MODEL_GROUPS.get(cfg.model.group)
+        if not group_is_homogeneous(cfg.model.group, cfg.federation.num_clients):
             issues.append(ConfigIssue(
                 key="model.group", value=cfg.model.group,
                 allowed=f"{cfg.algorithm.name} averages model weights, so every client needs the same "
@@ -369,7 +372,8 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
         conc = fed.concurrency if fed.concurrency != "auto" else fed.num_clients
         if fed.buffer_size > conc:
             issues.append(ConfigIssue(key="federation.buffer_size", value=fed.buffer_size,
-                                      allowed=f"at most federation.concurrency ({conc}); a larger buffer never fills"))
+                                      allowed=f"at most federation.concurrency ({conc}): with more updates per version "
+                                      "than in flight, every version waits for clients that started after it"))
     if fed.eval_every > fed.rounds:
         issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
                                   allowed=f"at most federation.rounds ({fed.rounds})"))
@@ -381,6 +385,14 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue(key="resources.client_num_gpus", value=res.client_num_gpus,
                                   allowed="a fraction <= 1 or a whole number of GPUs (Ray's rule)"))
     return issues
+
+
+def group_is_homogeneous(group: str, num_clients: int) -> bool:
+    """Whether the clients of this run (client i gets archs[i % len]) share one architecture."""
+    from rayfed_proto.models import MODEL_GROUPS
+
+    archs = MODEL_GROUPS.get(group)
+    return len({archs[i % len(archs)] for i in range(num_clients)}) == 1
 
 
 def clients_per_round(cfg: ExperimentConfig) -> int:

@@ -31,7 +31,7 @@ class PrototypeSet:
     counts: np.ndarray
 
     @classmethod
-    def empty(cls, dim: int) -> "PrototypeSet":
+    def empty(cls, dim: int) -> PrototypeSet:
         return cls(np.zeros(0, np.int64), np.zeros((0, dim), np.float32), np.zeros(0, np.int64))
 
     def __len__(self) -> int:

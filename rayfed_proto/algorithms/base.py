@@ -13,8 +13,9 @@ The runtime only ever calls the hooks below (Flower's Strategy idea, without the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
@@ -185,8 +186,9 @@ class PrototypeServer(ServerAlgorithm):
 
     ``aggregation_scope="buffer"`` (ALGORITHMS.md): a version aggregates the buffered updates and
     classes nobody uploaded keep their last vector. ``"latest"``: the server remembers each
-    client's most recent upload and aggregates all of them, each weighted by its age
-    (1 + version - received)^(-a); with full synchronous participation both are identical.
+    client's most recent upload and aggregates all of them, each weighted by its staleness
+    now, (1 + current version - version it was trained against)^(-a); with full synchronous
+    participation both are identical.
     """
 
     options: PrototypeOptions
@@ -194,19 +196,19 @@ class PrototypeServer(ServerAlgorithm):
     def __init__(self, options: PrototypeOptions, spec: FederationSpec, device: torch.device):
         super().__init__(options, spec, device)
         self.bank = PrototypeBank(spec.num_classes, spec.feature_dim)
-        self.latest: dict[int, tuple[PrototypeSet, int]] = {}  # client -> (upload, version received)
+        self.latest: dict[int, tuple[PrototypeSet, int]] = {}  # client -> (upload, version trained against)
 
     def _pairs(self, updates: list[ClientUpdate], weights: list[float], version: int) -> tuple[list[PrototypeSet], list[float]]:
         sets, ws = [], []
         if self.options.aggregation_scope == "latest":
             for u in updates:
                 if u.prototypes is not None:
-                    self.latest[u.client_id] = (u.prototypes, version - 1)
-            for ps, received in self.latest.values():
+                    self.latest[u.client_id] = (u.prototypes, u.base_version)
+            for ps, trained_on in self.latest.values():
                 sets.append(ps)
-                ws.append(staleness_weight(version - 1 - received, self.spec.staleness_exponent))
+                ws.append(staleness_weight(max(0, version - 1 - trained_on), self.spec.staleness_exponent))
         else:
-            for u, w in zip(updates, weights):
+            for u, w in zip(updates, weights, strict=False):
                 if u.prototypes is not None and len(u.prototypes):
                     sets.append(u.prototypes)
                     ws.append(w)
@@ -224,12 +226,14 @@ class PrototypeServer(ServerAlgorithm):
         return self.bank.as_set()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"bank": self.bank.state_dict(),
-                "latest": {c: (ps, v) for c, (ps, v) in self.latest.items()}}
+        latest = {str(c): {"class_ids": ps.class_ids, "vectors": ps.vectors, "counts": ps.counts, "trained_on": v}
+                  for c, (ps, v) in self.latest.items()}
+        return {"bank": self.bank.state_dict(), "latest": latest}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bank.load_state_dict(state["bank"])
-        self.latest = dict(state.get("latest", {}))
+        self.latest = {int(c): (PrototypeSet(e["class_ids"], e["vectors"], e["counts"]), int(e["trained_on"]))
+                       for c, e in state.get("latest", {}).items()}
 
 
 def as_numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:

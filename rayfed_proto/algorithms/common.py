@@ -5,7 +5,8 @@ Plain PyTorch / numpy; unit-tested on tiny tensors.
 
 from __future__ import annotations
 
-from typing import Iterable, Literal, Optional
+from collections.abc import Iterable
+from typing import Literal, Optional
 
 import numpy as np
 import torch
@@ -62,8 +63,8 @@ def aggregate_prototypes(
     staleness weight (1 in sync mode).
     """
     acc: dict[int, list] = {}
-    for ps, w in zip(sets, weights):
-        for c, vec, n in zip(ps.class_ids, ps.vectors, ps.counts):
+    for ps, w in zip(sets, weights, strict=False):
+        for c, vec, n in zip(ps.class_ids, ps.vectors, ps.counts, strict=False):
             coef = float(w) * (float(n) if mode == "weighted" else 1.0)
             slot = acc.setdefault(int(c), [np.zeros_like(vec, dtype=np.float64), 0.0])
             slot[0] += coef * vec.astype(np.float64)

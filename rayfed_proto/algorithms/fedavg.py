@@ -50,7 +50,7 @@ def average_weights(models: list[dict[str, np.ndarray]], coefs: list[float]) -> 
     total = float(sum(coefs))
     out = {}
     for k in models[0]:
-        acc = sum(c * m[k].astype(np.float64) for m, c in zip(models, coefs)) / total
+        acc = sum(c * m[k].astype(np.float64) for m, c in zip(models, coefs, strict=False)) / total
         out[k] = np.rint(acc).astype(models[0][k].dtype) if not np.issubdtype(models[0][k].dtype, np.floating) else acc.astype(models[0][k].dtype)
     return out
 
@@ -69,7 +69,7 @@ class FedAvgServer(ServerAlgorithm):
         return {k: tuple(v.shape) for k, v in self.global_weights.items()}
 
     def aggregate(self, updates: list[ClientUpdate], weights: list[float], version: int) -> dict[str, float]:
-        pairs = [(u, w) for u, w in zip(updates, weights) if u.weights is not None]
+        pairs = [(u, w) for u, w in zip(updates, weights, strict=False) if u.weights is not None]
         if not pairs:
             return {}
         coefs = [w * u.num_samples for u, w in pairs]

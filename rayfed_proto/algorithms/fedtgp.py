@@ -11,7 +11,7 @@ It broadcasts G(c) for every class that has ever been uploaded. Clients use FedP
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -26,6 +26,8 @@ from rayfed_proto.algorithms.fedproto import PrototypeAlignmentClient
 
 class FedTGPOptions(PrototypeOptions):
     lam: float = Field(10.0, ge=0, description="alignment weight lambda (FedTGP reference: 10)")
+    aggregation: Literal["weighted", "uniform"] = Field(
+        "uniform", description="class means P^c for the margin: uniform mean of the uploads (FedTGP) or sample-weighted")
     margin_threshold: float = Field(100.0, gt=0, description="tau: upper bound of the adaptive margin")
     server_epochs: int = Field(100, ge=0, description="generator epochs per server version")
     server_lr: float = Field(0.01, gt=0, description="generator SGD learning rate")
@@ -61,11 +63,19 @@ def adaptive_margin(class_means: torch.Tensor, threshold: float) -> float:
     return float(min(float(gaps.max()), threshold))
 
 
-def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, generated: torch.Tensor, margin: float) -> torch.Tensor:
-    """CE(-(d(p, G(c')) + delta [c' = y]), y), averaged over the pairs (FedTGP server loss)."""
+def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, generated: torch.Tensor, margin: float,
+                            weights: torch.Tensor | None = None) -> torch.Tensor:
+    """CE(-(d(p, G(c')) + delta [c' = y]), y) over the pairs (FedTGP server loss).
+
+    ``weights`` (async extension): each pair's staleness weight; the loss is their weighted mean
+    (plain mean when None, as in FedTGP).
+    """
     dist = safe_cdist(protos, generated)
     dist = dist + margin * F.one_hot(labels, generated.shape[0]).to(dist.dtype)
-    return F.cross_entropy(-dist, labels)
+    per_pair = F.cross_entropy(-dist, labels, reduction="none")
+    if weights is None:
+        return per_pair.mean()
+    return (per_pair * weights).sum() / weights.sum()
 
 
 class FedTGPServer(PrototypeServer):
@@ -84,17 +94,18 @@ class FedTGPServer(PrototypeServer):
         sets, ws = self._pairs(updates, weights, version)
         if not sets:
             return {}
-        means = aggregate_prototypes(sets, ws, "uniform")  # P^c: mean of the uploaded prototypes
+        means = aggregate_prototypes(sets, ws, self.options.aggregation)  # P^c: mean of the uploaded prototypes
         classes = sorted(means)
         self.margin = adaptive_margin(torch.tensor(np.stack([means[c][0] for c in classes])), self.options.margin_threshold)
         protos = torch.tensor(np.concatenate([ps.vectors for ps in sets]), device=self.device)
         labels = torch.tensor(np.concatenate([ps.class_ids for ps in sets]), device=self.device)
-        loss = self._train_generator(protos, labels)
+        pair_w = torch.tensor(np.concatenate([np.full(len(ps), w, np.float32) for ps, w in zip(sets, ws, strict=False)]), device=self.device)
+        loss = self._train_generator(protos, labels, pair_w)
         self.seen[classes] = True
         self._refresh_bank(version)
         return {"server_loss": loss, "server_margin": self.margin}
 
-    def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor) -> float:
+    def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor, pair_w: torch.Tensor) -> float:
         opt = torch.optim.SGD(self.generator.parameters(), lr=self.options.server_lr)
         all_classes = torch.arange(self.spec.num_classes, device=self.device)
         self.generator.train()
@@ -104,7 +115,7 @@ class FedTGPServer(PrototypeServer):
             order = torch.randperm(len(labels), generator=self.shuffle).to(self.device)
             for i in range(0, len(order), bs):
                 idx = order[i : i + bs]
-                loss = margin_contrastive_loss(protos[idx], labels[idx], self.generator(all_classes), self.margin)
+                loss = margin_contrastive_loss(protos[idx], labels[idx], self.generator(all_classes), self.margin, pair_w[idx])
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

@@ -69,11 +69,18 @@ class ServerActor:
         self.device = pick_device()
         self.core = ServerCore(build_config(cfg_dict), num_classes, in_channels, image_size, self.device, buffer_size)
 
+    def _with_state_ref(self, receipt: dict[str, Any]) -> dict[str, Any]:
+        # A new version's state is put in the object store once, here, and its ref travels in
+        # the receipt: every client and evaluation of that version reads exactly that object.
+        if receipt.get("new_version") is not None:
+            receipt["state_ref"] = ray.put(self.core.state)
+        return receipt
+
     def submit(self, update) -> dict[str, Any]:
-        return self.core.submit(update)
+        return self._with_state_ref(self.core.submit(update))
 
     def step(self) -> dict[str, Any]:
-        return self.core.step()
+        return self._with_state_ref(self.core.step())
 
     def global_state(self) -> GlobalState:
         return self.core.state

@@ -19,7 +19,7 @@ import torch
 from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
 from rayfed_proto.algorithms.base import TrainBatchIterator
 from rayfed_proto.algorithms.common import nearest_prototype_predict, prototype_margin, staleness_weight
-from rayfed_proto.config import ExperimentConfig
+from rayfed_proto.config import ExperimentConfig, group_is_homogeneous
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
@@ -30,7 +30,7 @@ log = logging.getLogger("rayfed_proto")
 def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int) -> FederationSpec:
     """The spec both parts share; ``build_model`` only for single-architecture groups."""
     archs = MODEL_GROUPS.get(cfg.model.group)
-    homogeneous = len(set(archs)) == 1
+    homogeneous = group_is_homogeneous(cfg.model.group, cfg.federation.num_clients)
     return FederationSpec(
         num_clients=cfg.federation.num_clients, num_classes=num_classes, feature_dim=cfg.model.feature_dim,
         seed=cfg.seed, staleness_exponent=cfg.federation.staleness_exponent,
@@ -93,7 +93,7 @@ class ClientRunner:
             if pred is not None:
                 proto += int((pred == y).sum())
         self.model.train()
-        return {"client_id": self.client_id, "n": int(len(self.test_y)), "head_correct": head,
+        return {"client_id": self.client_id, "state_version": state.version, "n": int(len(self.test_y)), "head_correct": head,
                 "proto_correct": proto if bank is not None and len(bank) else None, "train_loss": self.last_loss}
 
     def state_dict(self) -> dict[str, Any]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -64,14 +65,13 @@ def run_experiment(
     on_eval: Optional[Callable[[int, dict[str, Any]], None]] = None,
 ) -> RunResult:
     """Run ``cfg``; ``on_eval(version, metrics)`` is called after each evaluation (Tune uses it)."""
-    out = _output_dir(cfg)
-    (out / "config.yaml").write_text(cfg.to_yaml())
-
     try:
         dataset = load_dataset(cfg.data, cfg.seed)
         partition = make_partition(dataset, cfg.data.partition, cfg.federation.num_clients, cfg.seed, cfg.data.test_fraction)
     except (ValueError, KeyError) as e:  # infeasible data for this config: the user's to fix
         raise InputError(str(e)) from e
+    out = _output_dir(cfg)  # only once the data is known to be usable: a refused run leaves nothing
+    (out / "config.yaml").write_text(cfg.to_yaml())
     partition_path = out / "partition.parquet"
     partition.save_parquet(partition_path)
     label_counts = partition.label_counts()
@@ -147,6 +147,7 @@ def run_experiment(
             clients_per_round=clients_per_round(cfg), eval_every=fed.eval_every, seed=cfg.seed,
             server=server, actors=actors, actor_clients=groups, on_eval=handle_eval, on_version=handle_version)
         final_version = scheduler.run()
+        tracker.log_metrics({"updates_withheld_after_end": scheduler.stats.withheld}, step=final_version)
         if bar is not None:
             bar.close()
 

@@ -64,13 +64,18 @@ def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: flo
             allowed=f"{num_actors} client actors x {client_gpus:g} GPU + server {server_gpus:g} GPU = "
             f"{server_gpus + num_actors * client_gpus:g} do not fit the cluster's {cluster_gpus:g} GPUs (a fractional "
             f"share must fit on one GPU: at most {int(1 / client_gpus) if 0 < client_gpus < 1 else 1} per GPU); lower it or use 'auto'"))
-    if client_cpus <= 0:
+    if client_cpus <= 0 and res.client_num_cpus == "auto":
         issues.append(ConfigIssue(key="resources.client_num_cpus", value=res.client_num_cpus,
                                   allowed=f"the cluster's {cluster_cpus:g} CPUs leave nothing for {num_actors} client actors"))
+    concurrency = min(num_actors, max(1, int(cluster_cpus))) if fed.concurrency == "auto" else min(fed.concurrency, num_actors)
+    if fed.mode == "async" and fed.buffer_size > concurrency:
+        issues.append(ConfigIssue(
+            key="federation.buffer_size", value=fed.buffer_size,
+            allowed=f"at most the concurrency this cluster gives ({concurrency}: min(client actors {num_actors}, "
+            f"{'CPUs ' + format(cluster_cpus, 'g') if fed.concurrency == 'auto' else 'federation.concurrency'}))"))
     if issues:
         raise ConfigError(issues, "(resources)")
 
-    concurrency = min(num_actors, max(1, int(cluster_cpus))) if fed.concurrency == "auto" else min(fed.concurrency, num_actors)
     if res.torch_threads != "auto":
         threads = int(res.torch_threads)
     elif client_cpus >= 1:

@@ -22,8 +22,9 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import ray
@@ -37,6 +38,7 @@ class SchedulerStats:
     busy_s: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    withheld: int = 0  # finished after the last version: never submitted
     last_loss: dict[int, float] = field(default_factory=dict)
 
 
@@ -118,7 +120,7 @@ class Scheduler:
                     break
                 self._dispatch(int(self.rng.choice(idle)))
 
-    def _start_eval(self, version: int) -> None:
+    def _start_eval(self, version: int, state_ref) -> None:
         # Counters are read now, when the version exists: evaluation results arrive later (they
         # queue behind local updates on the actors) and must not be credited with later work.
         self.eval_snapshot[version] = (dataclasses.replace(self.stats, last_loss=dict(self.stats.last_loss)),
@@ -126,7 +128,7 @@ class Scheduler:
         self.eval_pending[version] = len(self.actors)
         self.eval_results[version] = []
         for a, clients in enumerate(self.actor_clients):
-            self.eval_refs[self.actors[a].evaluate.remote(clients, self.global_ref)] = version
+            self.eval_refs[self.actors[a].evaluate.remote(clients, state_ref)] = version
 
     def _eval_due(self, version: int) -> bool:
         return version % self.eval_every == 0 or version == self.rounds
@@ -141,7 +143,8 @@ class Scheduler:
         self.stats.bytes_down += meta["download_bytes"]
         self.stats.last_loss[client] = meta["terms"].get("loss", float("nan"))
         if self.version >= self.rounds:
-            return  # finished: late updates are not submitted
+            self.stats.withheld += 1  # finished: late updates are not submitted
+            return
         self.receipt_refs.add(self.server.submit.remote(update_ref))
 
     def _on_receipt(self, ref) -> None:
@@ -155,17 +158,24 @@ class Scheduler:
                 self.step_ref = self.server.step.remote()
                 self.receipt_refs.add(self.step_ref)
         new_version = receipt.get("new_version")
-        if new_version is not None and new_version > self.version:
+        if new_version is None:
+            return
+        # receipts may be handled out of order: each version is evaluated against its own state
+        if self._eval_due(new_version):
+            self._start_eval(new_version, receipt["state_ref"])
+        if new_version > self.version:
             self.version = new_version
-            self.global_ref = self.server.global_state.remote()
+            self.global_ref = receipt["state_ref"]
             if self.on_version:
                 self.on_version(self.version)
-            if self._eval_due(self.version):
-                self._start_eval(self.version)
 
     def _on_eval_result(self, ref) -> None:
         version = self.eval_refs.pop(ref)
-        self.eval_results[version].extend(ray.get(ref))
+        results = ray.get(ref)
+        wrong = {r["state_version"] for r in results} - {version}
+        if wrong:  # an invariant, not an input error: evaluation must see exactly its version's state
+            raise RuntimeError(f"evaluation of version {version} received the state of version(s) {sorted(wrong)}")
+        self.eval_results[version].extend(results)
         self.eval_pending[version] -= 1
         if self.eval_pending[version] == 0:
             del self.eval_pending[version]
@@ -175,17 +185,18 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------- metrics
     def _metrics(self, version: int, results: list[dict], server: dict, stats: SchedulerStats, wall: float) -> dict[str, Any]:
+        results = [r for r in results if r["n"] > 0]  # a client without test samples has no accuracy
         n = np.array([r["n"] for r in results], float)
         head = np.array([r["head_correct"] for r in results], float)
         m: dict[str, Any] = {
             "head_acc": float(head.sum() / n.sum()),
-            "head_acc_mean": float(np.mean(head / np.maximum(n, 1))),
-            "head_acc_std": float(np.std(head / np.maximum(n, 1))),
+            "head_acc_mean": float(np.mean(head / n)),
+            "head_acc_std": float(np.std(head / n)),
         }
         if all(r["proto_correct"] is not None for r in results):
             proto = np.array([r["proto_correct"] for r in results], float)
-            m.update(proto_acc=float(proto.sum() / n.sum()), proto_acc_mean=float(np.mean(proto / np.maximum(n, 1))),
-                     proto_acc_std=float(np.std(proto / np.maximum(n, 1))))
+            m.update(proto_acc=float(proto.sum() / n.sum()), proto_acc_mean=float(np.mean(proto / n)),
+                     proto_acc_std=float(np.std(proto / n)))
         losses = [v for v in stats.last_loss.values() if math.isfinite(v)]
         margin_min, margin_mean = server["margins"].get(version, (float("nan"), float("nan")))
         m.update(
@@ -193,7 +204,7 @@ class Scheduler:
             proto_margin_min=margin_min, proto_margin_mean=margin_mean,
             bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
             staleness_mean=server["staleness_mean"], staleness_max=server["staleness_max"],
-            updates_accepted=server["accepted"], updates_dropped=server["dropped_stale"],
+            updates_accepted=server["accepted"], updates_dropped=server["dropped_stale"], updates_late=server["late"],
             updates_refused=server["refused"], updates_dispatched=stats.dispatched,
             client_busy_s=stats.busy_s, server_train_s=server["server_train_s"], wall_s=wall,
             slot_utilisation=stats.busy_s / (self.concurrency * wall) if wall > 0 else float("nan"),
@@ -205,7 +216,7 @@ class Scheduler:
     # ---------------------------------------------------------------------------- main loop
     def run(self) -> int:
         """Run until ``rounds`` versions exist and their evaluation is logged; returns the version."""
-        self._start_eval(0)
+        self._start_eval(0, self.global_ref)
         while self.version < self.rounds or self.eval_refs:
             self._fill_slots()
             pending = list(self.train_refs) + list(self.receipt_refs) + list(self.eval_refs)

@@ -29,8 +29,8 @@ def artifact_paths(client, run_id, path=None):
 
 def test_async_fedtgp_run_writes_metrics_params_and_artifacts(ray_session, tracking):
     uri, track = tracking
-    cfg = build_config({}, SMALL + track + ["algorithm.server_epochs=5", "federation.mode=async", "federation.rounds=6", "federation.eval_every=2",
-                                            "federation.buffer_size=2", "federation.concurrency=2"])
+    cfg = build_config({}, SMALL + track + ["algorithm.server_epochs=5", "federation.mode=async", "federation.rounds=6",
+                                            "federation.eval_every=2", "federation.buffer_size=1", "federation.concurrency=2"])
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     assert result.final_version == 6
     client = MlflowClient(uri)
@@ -54,6 +54,18 @@ def test_async_fedtgp_run_writes_metrics_params_and_artifacts(ray_session, track
         assert expected in arts, f"missing artifact {expected}: {sorted(arts)}"
     bank = np.load(result.output_dir / "global_prototypes.npz")
     assert bank["vectors"].shape[1] == 64 and np.isfinite(bank["vectors"]).all()
+
+
+def test_async_every_version_is_evaluated_even_when_versions_come_fast(ray_session, tracking):
+    # buffer 1 and tiny updates: versions appear faster than evaluations return, and receipts can
+    # be handled out of order; each version must still be evaluated once, against its own state
+    uri, track = tracking
+    cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.mode=async", "federation.rounds=8",
+                                            "federation.eval_every=1", "federation.buffer_size=1", "federation.concurrency=3"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    assert sorted(h["version"] for h in result.history) == list(range(9))
+    steps = [s for s, _ in metric_steps(MlflowClient(uri), result.run_id, "updates_accepted")]
+    assert sorted(steps) == list(range(9))
 
 
 def test_sync_fedproto_partial_participation(ray_session, tracking):

@@ -251,3 +251,26 @@ def test_batches_cover_every_sample_once_and_never_leave_a_singleton():
     batches = [yb for _, yb in it.epoch()]
     assert [len(b) for b in batches] == [10, 11]  # 21 = 10 + 10 + 1: the 1 joins the previous batch
     assert sorted(torch.cat(batches).tolist()) == list(range(21))
+
+
+def test_fedtgp_pair_weights_give_a_weighted_mean_loss():
+    protos = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    labels = torch.tensor([0, 0])
+    generated = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    per_pair = [margin_contrastive_loss(protos[i : i + 1], labels[i : i + 1], generated, 1.0).item() for i in range(2)]
+    w = torch.tensor([1.0, 0.25])
+    expected = (per_pair[0] * 1.0 + per_pair[1] * 0.25) / 1.25
+    assert margin_contrastive_loss(protos, labels, generated, 1.0, w).item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_prototype_server_state_round_trips_as_plain_arrays():
+    algo = ALGORITHMS.get("fedproto")
+    server = algo.Server(algo.Options(aggregation_scope="latest"), SPEC, torch.device("cpu"))
+    server.aggregate([ClientUpdate(1, 0, 2, prototypes=pset([2], [[1, 2]], [2]))], [1.0], version=1)
+    state = server.state_dict()
+    leaves = [v for e in state["latest"].values() for v in e.values()] + list(state["bank"].values())
+    assert all(isinstance(v, (np.ndarray, int)) for v in leaves)
+    fresh = algo.Server(algo.Options(aggregation_scope="latest"), SPEC, torch.device("cpu"))
+    fresh.load_state_dict(state)
+    np.testing.assert_allclose(fresh.broadcast(1).prototypes.vectors, server.broadcast(1).prototypes.vectors)
+    assert fresh.latest[1][1] == 0
