@@ -353,7 +353,6 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)
 
     if algo_cls is not None and group_ok and algo_cls.requires_homogeneous_models:
-        MODEL_GROUPS.get(cfg.model.group)
         if not group_is_homogeneous(cfg.model.group, cfg.federation.num_clients):
             issues.append(ConfigIssue(
                 key="model.group", value=cfg.model.group,

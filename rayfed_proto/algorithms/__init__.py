@@ -11,13 +11,14 @@ def _load_plugins() -> None:
     """Methods from other packages: an entry point in group ``rayfed_proto.algorithms`` whose
     module registers itself on import. Entry points are seen by every process that imports
     this package, Ray actors included, which a registration in a user's script is not."""
+    import warnings
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="rayfed_proto.algorithms"):
-        ep.load()
-
-
-_load_plugins()
+        try:
+            ep.load()
+        except Exception as e:  # a broken plug-in must not take the built-in methods down with it
+            warnings.warn(f"rayfed_proto: algorithm plug-in {ep.name!r} ({ep.value}) failed to load: {e!r}", stacklevel=2)
 from rayfed_proto.algorithms.base import (  # noqa: E402
     Algorithm,
     ClientAlgorithm,
@@ -25,5 +26,7 @@ from rayfed_proto.algorithms.base import (  # noqa: E402
     Options,
     ServerAlgorithm,
 )
+
+_load_plugins()  # after the interface imports above, so plug-ins can import them from here
 
 __all__ = ["ALGORITHMS", "Algorithm", "ClientAlgorithm", "ServerAlgorithm", "FederationSpec", "Options"]

@@ -85,8 +85,8 @@ class ServerActor:
     def global_state(self) -> GlobalState:
         return self.core.state
 
-    def stats(self) -> dict[str, Any]:
-        return self.core.read_stats()
+    def stats(self, version: int | None = None) -> dict[str, Any]:
+        return self.core.read_stats(version)
 
     def guidance_bank(self):
         return self.core.algorithm.guidance_bank()

@@ -141,7 +141,7 @@ class ServerCore:
         self.buffer: list[tuple[ClientUpdate, float]] = []
         self.counters = ServerCounters()
         self.margins: dict[int, tuple[float, float]] = {}
-        self.last_metrics: dict[str, float] = {}
+        self.version_metrics: dict[int, dict[str, float]] = {}  # server-side metrics of each version
         self._publish()
 
     def _publish(self) -> None:
@@ -180,15 +180,21 @@ class ServerCore:
         updates = [u for u, _ in self.buffer]
         weights = [w for _, w in self.buffer]
         self.buffer = []
-        self.last_metrics = self.algorithm.aggregate(updates, weights, self.version + 1) if updates else {}
+        metrics = self.algorithm.aggregate(updates, weights, self.version + 1) if updates else {}
         self.version += 1
+        self.version_metrics[self.version] = dict(metrics)
         self._publish()
         dt = time.perf_counter() - t0
         self.counters.server_train_s += dt
-        return {"new_version": self.version, "server_s": dt, "server_metrics": dict(self.last_metrics)}
+        return {"new_version": self.version, "server_s": dt, "server_metrics": dict(metrics)}
 
-    def read_stats(self) -> dict[str, Any]:
-        """Counters for the driver; the staleness window restarts at each read."""
+    def read_stats(self, version: int | None = None) -> dict[str, Any]:
+        """Counters for the driver; the staleness window restarts at each read.
+
+        Margins and server metrics are those of ``version`` (default: the current one): a read
+        queued behind later submissions must not report the next version's aggregation.
+        """
+        version = self.version if version is None else version
         c = self.counters
         stale = c.staleness
         c.staleness = []
@@ -196,5 +202,5 @@ class ServerCore:
                 "dropped_stale": c.dropped_stale, "late": c.late, "server_train_s": c.server_train_s,
                 "staleness_mean": float(np.mean(stale)) if stale else 0.0,
                 "staleness_max": int(max(stale)) if stale else 0,
-                "margins": dict(self.margins), "last_refusals": list(c.refusals),
-                "server_metrics": dict(self.last_metrics)}
+                "margin": self.margins.get(version, (float("nan"), float("nan"))), "last_refusals": list(c.refusals),
+                "server_metrics": dict(self.version_metrics.get(version, {}))}

@@ -8,8 +8,8 @@ overlap between rounds):
   ceil(rho N) clients per round in sync mode);
 * ``ray.wait`` returns whatever finishes first: a client's metadata (its upload's ObjectRef goes
   straight to ``server.submit``, never through the driver), a server receipt (a new version:
-  fetch its global state once as an ObjectRef that every later client receives), or an
-  evaluation result;
+  the receipt carries the ObjectRef of that version's state, put once by the server, which
+  every later client and that version's evaluation receive), or an evaluation result;
 * every ``eval_every`` versions all clients are evaluated against that version's state; the
   metrics are assembled once all results for that version are in.
 
@@ -124,7 +124,7 @@ class Scheduler:
         # Counters are read now, when the version exists: evaluation results arrive later (they
         # queue behind local updates on the actors) and must not be credited with later work.
         self.eval_snapshot[version] = (dataclasses.replace(self.stats, last_loss=dict(self.stats.last_loss)),
-                                       self.wall(), self.server.stats.remote())
+                                       self.wall(), self.server.stats.remote(version))
         self.eval_pending[version] = len(self.actors)
         self.eval_results[version] = []
         for a, clients in enumerate(self.actor_clients):
@@ -198,7 +198,7 @@ class Scheduler:
             m.update(proto_acc=float(proto.sum() / n.sum()), proto_acc_mean=float(np.mean(proto / n)),
                      proto_acc_std=float(np.std(proto / n)))
         losses = [v for v in stats.last_loss.values() if math.isfinite(v)]
-        margin_min, margin_mean = server["margins"].get(version, (float("nan"), float("nan")))
+        margin_min, margin_mean = server["margin"]
         m.update(
             train_loss=float(np.mean(losses)) if losses else float("nan"),
             proto_margin_min=margin_min, proto_margin_mean=margin_mean,
@@ -217,7 +217,8 @@ class Scheduler:
     def run(self) -> int:
         """Run until ``rounds`` versions exist and their evaluation is logged; returns the version."""
         self._start_eval(0, self.global_ref)
-        while self.version < self.rounds or self.eval_refs:
+        # receipts too: one for an earlier version may still be due for evaluation after the last
+        while self.version < self.rounds or self.eval_refs or self.receipt_refs:
             self._fill_slots()
             pending = list(self.train_refs) + list(self.receipt_refs) + list(self.eval_refs)
             if not pending:
@@ -230,7 +231,9 @@ class Scheduler:
                 self._on_receipt(ref)
             else:
                 self._on_eval_result(ref)
-        # let in-flight local updates finish so actors are quiet before shutdown
+        # let in-flight local updates finish so actors are quiet before shutdown; they count as withheld
         if self.train_refs:
-            ray.wait(list(self.train_refs), num_returns=len(self.train_refs), timeout=120)
+            done, _ = ray.wait(list(self.train_refs), num_returns=len(self.train_refs), timeout=120)
+            for ref in done:
+                self._on_meta(ref)
         return self.version

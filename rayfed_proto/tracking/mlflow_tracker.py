@@ -22,7 +22,7 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or mlflow.get_tracking_uri()
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
-    if ":" not in uri and uri != "databricks":  # a bare path: MLflow >= 3.13 refuses a folder store, use sqlite inside
+    if ":" not in uri and not uri.startswith("databricks"):  # a bare path: MLflow >= 3.13 refuses a folder store, use sqlite inside
         p = Path(uri).resolve()
         return f"sqlite:///{p / 'mlflow.db'}" if p.suffix != ".db" else f"sqlite:///{p}"
     return uri

@@ -103,3 +103,13 @@ def test_updates_after_the_last_version_are_counted_as_late():
     assert core.version == 5
     r = core.submit(upd(1, 5))
     assert not r["accepted"] and core.read_stats()["late"] == 1
+
+
+def test_stats_report_the_requested_versions_margin_and_server_metrics():
+    core = _core(buffer=1)
+    core.submit(upd(0, 0, 1.0))  # v1: class 0 only -> margin undefined
+    core.submit(upd(1, 1, 2.0))  # v2
+    s1 = core.read_stats(version=1)
+    assert s1["version"] == 2  # counters are current ...
+    assert all(np.isnan(s1["margin"]))  # ... but the margin is version 1's (one class: none)
+    assert core.read_stats(version=7)["server_metrics"] == {}
