@@ -49,6 +49,7 @@ def run(mode: str, args) -> dict:
         "mean_update_s": last["client_busy_s"] / max(updates, 1), "total_s_incl_startup": total,
         "peak_rss_mib_client_actor": max(p["peak_rss_mib"] for p in result.placements[:-1]),
         "peak_rss_mib_server": result.placements[-1]["peak_rss_mib"],
+        "pss_mib_client_actor": max(p["pss_mib"] for p in result.placements[:-1]),
         "final_head_acc": last["head_acc"], "staleness_mean": last["staleness_mean"],
     }
 
@@ -72,11 +73,12 @@ def main() -> int:
 
     print(f"\nmachine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; Ray CPUs {args.cpus}; "
           f"python {sys.version.split()[0]}")
-    print("| mode | slots | updates | mean update (s) | busy (s) | wall (s) | utilisation | peak RSS / client actor (MiB) | peak RSS server (MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| mode | slots | updates | mean update (s) | busy (s) | wall (s) | utilisation | peak RSS / client actor (MiB) | PSS / client actor (MiB) | peak RSS server (MiB) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['slots']} | {r['updates']} | {r['mean_update_s']:.2f} | {r['busy_s']:.1f} | "
-              f"{r['wall_s']:.1f} | {r['utilisation']:.3f} | {r['peak_rss_mib_client_actor']:.0f} | {r['peak_rss_mib_server']:.0f} |")
+              f"{r['wall_s']:.1f} | {r['utilisation']:.3f} | {r['peak_rss_mib_client_actor']:.0f} | "
+              f"{r['pss_mib_client_actor']:.0f} | {r['peak_rss_mib_server']:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "rows": rows}, f, indent=2, default=float)

@@ -39,6 +39,19 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+def _pss_mib() -> float:
+    """Proportional set size: RSS with shared pages (libtorch, CUDA libraries) divided among the
+    processes sharing them, so summing it over actors gives the real footprint. NaN off Linux."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return float("nan")
+
+
 @ray.remote
 class ClientActor:
     def __init__(self, cfg_dict: dict, splits: list[ClientSplit], torch_threads: int):
@@ -58,7 +71,7 @@ class ClientActor:
 
     def info(self) -> dict[str, Any]:
         return {**_placement(), "device": str(self.device), "clients": sorted(self.runners),
-                "torch_threads": torch.get_num_threads(), "peak_rss_mib": _peak_rss_mib()}
+                "torch_threads": torch.get_num_threads(), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib()}
 
 
 @ray.remote
@@ -92,4 +105,4 @@ class ServerActor:
         return self.core.algorithm.guidance_bank()
 
     def info(self) -> dict[str, Any]:
-        return {**_placement(), "device": str(self.device), "peak_rss_mib": _peak_rss_mib()}
+        return {**_placement(), "device": str(self.device), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib()}

@@ -153,6 +153,8 @@ def run_experiment(
 
         placements = ray.get([a.info.remote() for a in actors] + [server.info.remote()])  # peak memory at the end
         tracker.log_metrics({"peak_rss_mib_client_actor_max": max(p["peak_rss_mib"] for p in placements[:-1]),
+                             "pss_mib_client_actor_max": max(p["pss_mib"] for p in placements[:-1]),
+                             "pss_mib_client_actors_total": sum(p["pss_mib"] for p in placements[:-1]),
                              "peak_rss_mib_server": placements[-1]["peak_rss_mib"]}, step=final_version)
         bank = ray.get(server.guidance_bank.remote())
         _write_final_artifacts(out, tracker, history, bank, class_names, cfg)
