@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import threading
 from typing import Any
 
 import ray
@@ -74,26 +75,61 @@ class ClientActor:
                 "torch_threads": torch.get_num_threads(), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib()}
 
 
-@ray.remote
+@ray.remote(max_concurrency=4)  # threaded: submissions, version waits and stats run beside training
 class ServerActor:
+    """The server. In async mode a training thread aggregates whenever the buffer is full, so
+    intake (``submit``) never queues behind server training; the driver learns of new versions
+    through ``wait_versions``. In sync mode the driver calls ``step`` when a round is complete."""
+
     def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, buffer_size, torch_threads: int):
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         self.device = pick_device()
-        self.core = ServerCore(build_config(cfg_dict), num_classes, in_channels, image_size, self.device, buffer_size)
+        background = buffer_size is not None
+        self.core = ServerCore(build_config(cfg_dict), num_classes, in_channels, image_size, self.device, buffer_size,
+                               background=background)
+        self._versions_cond = threading.Condition()
+        self._new_versions: list[tuple[int, Any]] = []  # (version, state ref) not yet handed out
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        if background:
+            threading.Thread(target=self._train_loop, name="server-training", daemon=True).start()
 
-    def _with_state_ref(self, receipt: dict[str, Any]) -> dict[str, Any]:
-        # A new version's state is put in the object store once, here, and its ref travels in
-        # the receipt: every client and evaluation of that version reads exactly that object.
-        if receipt.get("new_version") is not None:
-            receipt["state_ref"] = ray.put(self.core.state)
+    def _publish(self, receipt: dict[str, Any]) -> dict[str, Any]:
+        # A new version's state is put in the object store once, here; its ref is what every
+        # client and that version's evaluation receive.
+        receipt["state_ref"] = ray.put(receipt.pop("state"))
         return receipt
 
+    def _train_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                receipt = self.core.wait_and_step(timeout=0.5)
+                if receipt is not None:
+                    receipt = self._publish(receipt)
+                    with self._versions_cond:
+                        self._new_versions.append((receipt["new_version"], receipt["state_ref"]))
+                        self._versions_cond.notify_all()
+        except BaseException as e:  # surfaced to the driver by wait_versions
+            self.error = e
+            with self._versions_cond:
+                self._versions_cond.notify_all()
+
+    def wait_versions(self, timeout: float = 2.0) -> list[tuple[int, Any]]:
+        """Versions produced since the last call, each with its state ref (empty on timeout)."""
+        with self._versions_cond:
+            self._versions_cond.wait_for(lambda: self._new_versions or self.error is not None, timeout)
+            if self.error is not None:
+                raise RuntimeError(f"server training failed: {self.error!r}") from self.error
+            out, self._new_versions = self._new_versions, []
+        return out
+
     def submit(self, update) -> dict[str, Any]:
-        return self._with_state_ref(self.core.submit(update))
+        receipt = self.core.submit(update)
+        return self._publish(receipt) if "state" in receipt else receipt
 
     def step(self) -> dict[str, Any]:
-        return self._with_state_ref(self.core.step())
+        return self._publish(self.core.step())
 
     def global_state(self) -> GlobalState:
         return self.core.state
@@ -103,6 +139,9 @@ class ServerActor:
 
     def guidance_bank(self):
         return self.core.algorithm.guidance_bank()
+
+    def stop(self) -> None:
+        self._stop.set()
 
     def info(self) -> dict[str, Any]:
         return {**_placement(), "device": str(self.device), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib()}

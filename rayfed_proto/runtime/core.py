@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -126,67 +127,120 @@ class ServerCore:
     ``buffer_size=None`` means the caller decides when to aggregate (sync mode calls
     :meth:`step` once the round is complete); otherwise a version is produced each time the
     buffer holds ``buffer_size`` accepted updates (async, FedBuff-style).
+
+    With ``background=True`` :meth:`submit` only validates and buffers, under a lock, and a
+    training thread calls :meth:`wait_and_step`, which aggregates *everything* buffered when the
+    buffer is full. Intake therefore never waits behind server training (FedTGP's generator):
+    an update's staleness counts the versions produced while its client trained, not the time
+    it would otherwise spend queued behind the server. Without it (tests, in-process use),
+    :meth:`submit` aggregates inline.
     """
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
-                 device: torch.device, buffer_size: Optional[int]):
+                 device: torch.device, buffer_size: Optional[int], background: bool = False):
         self.cfg = cfg
         self.buffer_size = buffer_size
+        self.background = background
         self.max_staleness = cfg.federation.max_staleness if cfg.federation.mode == "async" else math.inf
         self.max_version = cfg.federation.rounds
         spec = federation_spec(cfg, num_classes, in_channels, image_size)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
         self.schema = UpdateSchema(spec.num_clients, num_classes, spec.feature_dim, self.algorithm.weight_shapes())
+        self.cond = threading.Condition()  # guards buffer, counters, version and the published state
         self.version = 0
         self.buffer: list[tuple[ClientUpdate, float]] = []
         self.counters = ServerCounters()
         self.margins: dict[int, tuple[float, float]] = {}
         self.version_metrics: dict[int, dict[str, float]] = {}  # server-side metrics of each version
-        self._publish()
+        self.state, self.margins[0] = self._broadcast(0)
 
-    def _publish(self) -> None:
-        self.state = self.algorithm.broadcast(self.version)
+    def _broadcast(self, version: int) -> tuple[GlobalState, tuple[float, float]]:
+        state = self.algorithm.broadcast(version)
         bank = self.algorithm.guidance_bank()
-        self.margins[self.version] = prototype_margin(bank.vectors) if bank is not None else (float("nan"), float("nan"))
+        return state, prototype_margin(bank.vectors) if bank is not None else (float("nan"), float("nan"))
+
+    def buffer_ready(self) -> bool:
+        return self.buffer_size is not None and len(self.buffer) >= self.buffer_size and self.version < self.max_version
 
     def submit(self, update: Any) -> dict[str, Any]:
-        """Validate and buffer one update; aggregate when the buffer is full. Returns a receipt."""
+        """Validate and buffer one update (aggregating inline unless ``background``). Returns a receipt."""
         receipt: dict[str, Any] = {"client_id": getattr(update, "client_id", None), "accepted": False}
-        if self.version >= self.max_version:
-            self.counters.late += 1
-            return {**receipt, "reason": "run finished", "version": self.version}
-        reason = validate_update(update, self.schema, self.version)
-        if reason is not None:
-            self.counters.refused += 1
-            self.counters.refusals = (self.counters.refusals + [reason])[-20:]
-            log.warning("refused update from client %s: %s", receipt["client_id"], reason)
-            return {**receipt, "reason": reason, "version": self.version}
-        staleness = self.version - update.base_version
-        if staleness > self.max_staleness:
-            self.counters.dropped_stale += 1
-            return {**receipt, "reason": f"staleness {staleness} > max_staleness {self.max_staleness}",
-                    "version": self.version, "staleness": staleness}
-        self.counters.accepted += 1
-        self.counters.staleness.append(staleness)
-        self.buffer.append((update, staleness_weight(staleness, self.cfg.federation.staleness_exponent)))
-        receipt.update(accepted=True, staleness=staleness, version=self.version)
-        if self.buffer_size is not None and len(self.buffer) >= self.buffer_size:
+        with self.cond:
+            if self.version >= self.max_version:
+                self.counters.late += 1
+                return {**receipt, "reason": "run finished", "version": self.version}
+            reason = validate_update(update, self.schema, self.version)
+            if reason is not None:
+                self.counters.refused += 1
+                self.counters.refusals = (self.counters.refusals + [reason])[-20:]
+                log.warning("refused update from client %s: %s", receipt["client_id"], reason)
+                return {**receipt, "reason": reason, "version": self.version}
+            staleness = self.version - update.base_version
+            if staleness > self.max_staleness:
+                self.counters.dropped_stale += 1
+                return {**receipt, "reason": f"staleness {staleness} > max_staleness {self.max_staleness}",
+                        "version": self.version, "staleness": staleness}
+            self.counters.accepted += 1
+            self.counters.staleness.append(staleness)
+            self.buffer.append((update, staleness_weight(staleness, self.cfg.federation.staleness_exponent)))
+            receipt.update(accepted=True, staleness=staleness, version=self.version)
+            ready = self.buffer_ready()
+            if ready and self.background:
+                self.cond.notify_all()
+        if ready and not self.background:
             receipt.update(self.step())
         return receipt
 
+    def wait_and_step(self, timeout: float) -> Optional[dict[str, Any]]:
+        """Training thread: wait up to ``timeout`` for a full buffer, then aggregate it."""
+        with self.cond:
+            if not self.cond.wait_for(self.buffer_ready, timeout):
+                return None
+        return self.step()
+
     def step(self) -> dict[str, Any]:
-        """Aggregate the buffer into the next version (also when it is empty: a round passed)."""
+        """Aggregate the buffer into the next version (also when it is empty: a round passed).
+
+        The buffer is taken under the lock; aggregation and server training run outside it, so
+        submissions keep arriving (they are staleness-checked against the current version).
+        """
         t0 = time.perf_counter()
-        updates = [u for u, _ in self.buffer]
-        weights = [w for _, w in self.buffer]
-        self.buffer = []
-        metrics = self.algorithm.aggregate(updates, weights, self.version + 1) if updates else {}
-        self.version += 1
-        self.version_metrics[self.version] = dict(metrics)
-        self._publish()
+        with self.cond:
+            taken, self.buffer = self.buffer, []
+            new_version = self.version + 1
+        updates = [u for u, _ in taken]
+        weights = [w for _, w in taken]
+        metrics = self.algorithm.aggregate(updates, weights, new_version) if updates else {}
+        state, margin = self._broadcast(new_version)
         dt = time.perf_counter() - t0
-        self.counters.server_train_s += dt
-        return {"new_version": self.version, "server_s": dt, "server_metrics": dict(metrics)}
+        with self.cond:
+            self.version, self.state = new_version, state
+            self.margins[new_version] = margin
+            self.version_metrics[new_version] = dict(metrics)
+            self.counters.server_train_s += dt
+            self.cond.notify_all()
+        return {"new_version": new_version, "state": state, "aggregated": len(taken), "server_s": dt,
+                "server_metrics": dict(metrics)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue from here (for checkpoints): plain dicts and arrays."""
+        c = self.counters
+        return {"version": self.version, "algorithm": self.algorithm.state_dict(),
+                "buffer": [(u, w) for u, w in self.buffer],
+                "counters": {"accepted": c.accepted, "refused": c.refused, "dropped_stale": c.dropped_stale,
+                             "late": c.late, "server_train_s": c.server_train_s},
+                "margins": {int(v): m for v, m in self.margins.items()},
+                "version_metrics": {int(v): dict(m) for v, m in self.version_metrics.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = int(state["version"])
+        self.algorithm.load_state_dict(state["algorithm"])
+        self.buffer = list(state["buffer"])
+        for k, v in state["counters"].items():
+            setattr(self.counters, k, v)
+        self.margins = dict(state["margins"])
+        self.version_metrics = dict(state["version_metrics"])
+        self.state, _ = self._broadcast(self.version)
 
     def read_stats(self, version: int | None = None) -> dict[str, Any]:
         """Counters for the driver; the staleness window restarts at each read.
@@ -194,7 +248,10 @@ class ServerCore:
         Margins and server metrics are those of ``version`` (default: the current one): a read
         queued behind later submissions must not report the next version's aggregation.
         """
-        version = self.version if version is None else version
+        with self.cond:
+            return self._read_stats(self.version if version is None else version)
+
+    def _read_stats(self, version: int) -> dict[str, Any]:
         c = self.counters
         stale = c.staleness
         c.staleness = []

@@ -212,6 +212,10 @@ def _shutdown_actors(handles: list) -> None:
         return
     import ray
 
+    try:
+        ray.get(handles[-1].stop.remote(), timeout=5)  # the server's training thread (last handle)
+    except Exception:  # already dead or not a server: killing it below is enough
+        pass
     for h in handles:
         try:
             ray.kill(h)

@@ -7,9 +7,10 @@ overlap between rounds):
   actor is idle (seeded sampling: uniform over idle clients in async mode, a fresh sample of
   ceil(rho N) clients per round in sync mode);
 * ``ray.wait`` returns whatever finishes first: a client's metadata (its upload's ObjectRef goes
-  straight to ``server.submit``, never through the driver), a server receipt (a new version:
-  the receipt carries the ObjectRef of that version's state, put once by the server, which
-  every later client and that version's evaluation receive), or an evaluation result;
+  straight to ``server.submit``, never through the driver), new versions (async: the server's
+  training thread aggregates whenever its buffer is full and ``wait_versions`` hands over each
+  version's state ObjectRef, put once by the server; sync: the receipt of the round's ``step``),
+  or an evaluation result; every later client and the version's evaluation receive that ref;
 * every ``eval_every`` versions all clients are evaluated against that version's state; the
   metrics are assembled once all results for that version are in.
 
@@ -79,6 +80,7 @@ class Scheduler:
         self.round_queue: list[int] = []
         self.round_outstanding = 0
         self.step_ref = None
+        self.versions_ref = None  # async: the outstanding server.wait_versions call
         self.t0 = time.perf_counter()
 
     # ---------------------------------------------------------------------------- helpers
@@ -157,15 +159,22 @@ class Scheduler:
             if self.round_outstanding == 0 and not self.round_queue:
                 self.step_ref = self.server.step.remote()
                 self.receipt_refs.add(self.step_ref)
-        new_version = receipt.get("new_version")
-        if new_version is None:
-            return
-        # receipts may be handled out of order: each version is evaluated against its own state
+        if receipt.get("new_version") is not None:  # sync: the round's step
+            self._on_new_version(receipt["new_version"], receipt["state_ref"])
+
+    def _on_versions(self, ref) -> None:
+        """Async: the server's training thread produced these versions since the last wait."""
+        self.versions_ref = None
+        for version, state_ref in sorted(ray.get(ref), key=lambda vs: vs[0]):
+            self._on_new_version(version, state_ref)
+
+    def _on_new_version(self, new_version: int, state_ref) -> None:
+        # each version is evaluated against its own state, whatever order versions are seen in
         if self._eval_due(new_version):
-            self._start_eval(new_version, receipt["state_ref"])
+            self._start_eval(new_version, state_ref)
         if new_version > self.version:
             self.version = new_version
-            self.global_ref = receipt["state_ref"]
+            self.global_ref = state_ref
             if self.on_version:
                 self.on_version(self.version)
 
@@ -220,7 +229,11 @@ class Scheduler:
         # receipts too: one for an earlier version may still be due for evaluation after the last
         while self.version < self.rounds or self.eval_refs or self.receipt_refs:
             self._fill_slots()
+            if self.mode == "async" and self.versions_ref is None and self.version < self.rounds:
+                self.versions_ref = self.server.wait_versions.remote()
             pending = list(self.train_refs) + list(self.receipt_refs) + list(self.eval_refs)
+            if self.versions_ref is not None and self.version < self.rounds:
+                pending.append(self.versions_ref)
             if not pending:
                 raise RuntimeError("scheduler stalled: nothing in flight before the last version")
             ready, _ = ray.wait(pending, num_returns=1)
@@ -229,8 +242,10 @@ class Scheduler:
                 self._on_meta(ref)
             elif ref in self.receipt_refs:
                 self._on_receipt(ref)
-            else:
+            elif ref in self.eval_refs:
                 self._on_eval_result(ref)
+            else:
+                self._on_versions(ref)
         # let in-flight local updates finish so actors are quiet before shutdown; they count as withheld
         if self.train_refs:
             done, _ = ray.wait(list(self.train_refs), num_returns=len(self.train_refs), timeout=120)

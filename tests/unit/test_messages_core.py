@@ -113,3 +113,43 @@ def test_stats_report_the_requested_versions_margin_and_server_metrics():
     assert s1["version"] == 2  # counters are current ...
     assert all(np.isnan(s1["margin"]))  # ... but the margin is version 1's (one class: none)
     assert core.read_stats(version=7)["server_metrics"] == {}
+
+
+def test_server_core_state_round_trip_continues_identically():
+    core = _core(buffer=2)
+    for c, v in ((0, 0), (1, 0), (2, 1)):
+        core.submit(upd(c, v, float(c + 1)))
+    state = core.state_dict()
+    twin = _core(buffer=2)
+    twin.load_state_dict(state)
+    assert twin.version == core.version == 1 and len(twin.buffer) == 1
+    for server in (core, twin):
+        server.submit(upd(0, 1, 5.0))  # completes the buffer: version 2
+    np.testing.assert_allclose(twin.state.prototypes.vectors, core.state.prototypes.vectors)
+    assert twin.read_stats()["accepted"] == core.read_stats()["accepted"] == 4
+
+
+def test_background_intake_does_not_wait_for_server_training():
+    import threading
+
+    core = _core(buffer=2)
+    core.background = True
+    training_started, release = threading.Event(), threading.Event()
+    real_aggregate = core.algorithm.aggregate
+
+    def slow_aggregate(updates, weights, version):  # stands in for a long generator training
+        training_started.set()
+        release.wait(10)
+        return real_aggregate(updates, weights, version)
+
+    core.algorithm.aggregate = slow_aggregate
+    for c in range(2):
+        assert "new_version" not in core.submit(upd(c, 0))  # background: submit never trains
+    trainer = threading.Thread(target=core.wait_and_step, args=(5.0,))
+    trainer.start()
+    assert training_started.wait(5)
+    r = core.submit(upd(2, 0))  # arrives while the server trains: accepted at once, staleness 0
+    assert r["accepted"] and r["staleness"] == 0 and core.version == 0
+    release.set()
+    trainer.join(5)
+    assert core.version == 1 and len(core.buffer) == 1  # the new update waits for the next version
