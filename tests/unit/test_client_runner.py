@@ -42,5 +42,5 @@ def test_client_state_round_trip_continues_identically(setup):
     _, ua = a.train(GlobalState(version=1))
     _, ub = b.train(GlobalState(version=1))
     np.testing.assert_allclose(ua.prototypes.vectors, ub.prototypes.vectors, rtol=1e-5, atol=1e-6)
-    for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
