@@ -18,6 +18,11 @@ def _nbytes(d: Optional[ArrayDict]) -> int:
     return int(sum(np.asarray(v).nbytes for v in (d or {}).values()))
 
 
+def _payload_nbytes(msg: ClientUpdate | GlobalState) -> int:
+    """Bytes of what a message carries (prototypes, weights, extras): the communication metric."""
+    return (msg.prototypes.nbytes if msg.prototypes is not None else 0) + _nbytes(msg.weights) + _nbytes(msg.extras)
+
+
 @dataclass
 class PrototypeSet:
     """One vector per class: ``class_ids`` (m,), ``vectors`` (m, D), ``counts`` (m,).
@@ -58,7 +63,7 @@ class ClientUpdate:
 
     @property
     def nbytes(self) -> int:
-        return (self.prototypes.nbytes if self.prototypes is not None else 0) + _nbytes(self.weights) + _nbytes(self.extras)
+        return _payload_nbytes(self)
 
 
 @dataclass
@@ -72,7 +77,7 @@ class GlobalState:
 
     @property
     def nbytes(self) -> int:
-        return (self.prototypes.nbytes if self.prototypes is not None else 0) + _nbytes(self.weights) + _nbytes(self.extras)
+        return _payload_nbytes(self)
 
 
 @dataclass
