@@ -115,14 +115,17 @@ class ServerActor:
             with self._versions_cond:
                 self._versions_cond.notify_all()
 
-    def wait_versions(self, timeout: float = 2.0) -> list[tuple[int, Any]]:
-        """Versions produced since the last call, each with its state ref (empty on timeout)."""
+    def wait_versions(self, timeout: float = 2.0) -> dict[str, Any]:
+        """Versions produced since the last call, each with its state ref (none on timeout), and
+        the number of accepted updates still waiting in the buffer (for backpressure)."""
         with self._versions_cond:
             self._versions_cond.wait_for(lambda: self._new_versions or self.error is not None, timeout)
             if self.error is not None:
                 raise RuntimeError(f"server training failed: {self.error!r}") from self.error
             out, self._new_versions = self._new_versions, []
-        return out
+        with self.core.cond:
+            backlog = len(self.core.buffer)
+        return {"versions": out, "backlog": backlog}
 
     def submit(self, update) -> dict[str, Any]:
         receipt = self.core.submit(update)

@@ -129,8 +129,8 @@ class ServerCore:
     buffer holds ``buffer_size`` accepted updates (async, FedBuff-style).
 
     With ``background=True`` :meth:`submit` only validates and buffers, under a lock, and a
-    training thread calls :meth:`wait_and_step`, which aggregates *everything* buffered when the
-    buffer is full. Intake therefore never waits behind server training (FedTGP's generator):
+    training thread calls :meth:`wait_and_step`, which aggregates K buffered updates whenever
+    there are K. Intake therefore never waits behind server training (FedTGP's generator):
     an update's staleness counts the versions produced while its client trained, not the time
     it would otherwise spend queued behind the server. Without it (tests, in-process use),
     :meth:`submit` aggregates inline.
@@ -183,7 +183,7 @@ class ServerCore:
             self.counters.accepted += 1
             self.counters.staleness.append(staleness)
             self.buffer.append((update, staleness_weight(staleness, self.cfg.federation.staleness_exponent)))
-            receipt.update(accepted=True, staleness=staleness, version=self.version)
+            receipt.update(accepted=True, staleness=staleness, version=self.version, backlog=len(self.buffer))
             ready = self.buffer_ready()
             if ready and self.background:
                 self.cond.notify_all()
@@ -206,7 +206,10 @@ class ServerCore:
         """
         t0 = time.perf_counter()
         with self.cond:
-            taken, self.buffer = self.buffer, []
+            # async: exactly K updates per version (FedBuff), the rest wait for the next one, so a
+            # version's cost is bounded; sync (no buffer size): the whole round
+            k = len(self.buffer) if self.buffer_size is None else self.buffer_size
+            taken, self.buffer = self.buffer[:k], self.buffer[k:]
             new_version = self.version + 1
         updates = [u for u, _ in taken]
         weights = [w for _, w in taken]

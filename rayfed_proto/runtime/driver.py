@@ -143,7 +143,7 @@ def run_experiment(
                 bar.update(version - bar.n)
 
         scheduler = Scheduler(
-            mode=fed.mode, num_clients=fed.num_clients, rounds=fed.rounds, concurrency=plan.concurrency,
+            mode=fed.mode, buffer_size=fed.buffer_size, num_clients=fed.num_clients, rounds=fed.rounds, concurrency=plan.concurrency,
             clients_per_round=clients_per_round(cfg), eval_every=fed.eval_every, seed=cfg.seed,
             server=server, actors=actors, actor_clients=groups, on_eval=handle_eval, on_version=handle_version)
         final_version = scheduler.run()

@@ -48,6 +48,7 @@ class Scheduler:
         self,
         *,
         mode: str,
+        buffer_size: int,
         num_clients: int,
         rounds: int,
         concurrency: int,
@@ -60,7 +61,7 @@ class Scheduler:
         on_eval: Callable[[int, dict[str, Any]], None],
         on_version: Optional[Callable[[int], None]] = None,
     ):
-        self.mode, self.num_clients, self.rounds = mode, num_clients, rounds
+        self.mode, self.buffer_size, self.num_clients, self.rounds = mode, buffer_size, num_clients, rounds
         self.concurrency, self.clients_per_round, self.eval_every = concurrency, clients_per_round, eval_every
         self.rng = np.random.default_rng([seed, 0x5C4ED])  # client sampling stream
         self.server, self.actors, self.actor_clients = server, actors, actor_clients
@@ -81,6 +82,8 @@ class Scheduler:
         self.round_outstanding = 0
         self.step_ref = None
         self.versions_ref = None  # async: the outstanding server.wait_versions call
+        self.backlog = 0  # accepted updates waiting at the server (last report)
+        self.unreported_submits = 0  # submitted, receipt not back yet
         self.t0 = time.perf_counter()
 
     # ---------------------------------------------------------------------------- helpers
@@ -116,7 +119,9 @@ class Scheduler:
                 self.round_queue.remove(free[0])
                 self._dispatch(free[0])
         else:
-            while len(self.train_refs) < self.concurrency:
+            # Backpressure: while a full next version already waits at the server, a new update
+            # would only wait there too and grow stale; let the server catch up first.
+            while len(self.train_refs) < self.concurrency and self.backlog + self.unreported_submits < self.buffer_size:
                 idle = self._idle_clients()
                 if not idle:
                     break
@@ -148,10 +153,15 @@ class Scheduler:
             self.stats.withheld += 1  # finished: late updates are not submitted
             return
         self.receipt_refs.add(self.server.submit.remote(update_ref))
+        self.unreported_submits += 1
 
     def _on_receipt(self, ref) -> None:
         self.receipt_refs.discard(ref)
         receipt = ray.get(ref)
+        if ref is not self.step_ref:
+            self.unreported_submits -= 1
+            if "backlog" in receipt:
+                self.backlog = receipt["backlog"]
         if ref is self.step_ref:
             self.step_ref = None
         elif self.mode == "sync":
@@ -165,7 +175,9 @@ class Scheduler:
     def _on_versions(self, ref) -> None:
         """Async: the server's training thread produced these versions since the last wait."""
         self.versions_ref = None
-        for version, state_ref in sorted(ray.get(ref), key=lambda vs: vs[0]):
+        reply = ray.get(ref)
+        self.backlog = reply["backlog"]
+        for version, state_ref in sorted(reply["versions"], key=lambda vs: vs[0]):
             self._on_new_version(version, state_ref)
 
     def _on_new_version(self, new_version: int, state_ref) -> None:
