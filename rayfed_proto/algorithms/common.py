@@ -45,7 +45,7 @@ def local_prototypes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, b
     model.train(was_training)
     classes, counts = torch.unique(y, return_counts=True)
     sums = torch.zeros(len(classes), feats.shape[1]).index_add_(0, torch.searchsorted(classes, y), feats)
-    protos = sums / counts.unsqueeze(1).float()
+    protos = sums / counts.unsqueeze(1).float()  # FedSA Eq. 2: P_i^c = mean of f_i(x) over D_{i,c}
     return PrototypeSet(classes.numpy().astype(np.int64), protos.numpy().astype(np.float32), counts.numpy().astype(np.int64))
 
 
@@ -69,6 +69,7 @@ def aggregate_prototypes(
             slot = acc.setdefault(int(c), [np.zeros_like(vec, dtype=np.float64), 0.0])
             slot[0] += coef * vec.astype(np.float64)
             slot[1] += coef
+    # FedSA Eq. 3 (as a weighted mean): P^c = sum_i coef_i P_i^c / sum_i coef_i
     return {c: ((s / tot).astype(np.float32), tot) for c, (s, tot) in acc.items() if tot > 0}
 
 

@@ -73,7 +73,7 @@ class FedAvgServer(ServerAlgorithm):
         if not pairs:
             return {}
         coefs = [w * u.num_samples for u, w in pairs]
-        avg = average_weights([u.weights for u, _ in pairs], coefs)
+        avg = average_weights([u.weights for u, _ in pairs], coefs)  # FedAvg: sum_i s_i n_i W_i / sum_i s_i n_i
         rate = self.options.server_lr * sum(coefs) / sum(u.num_samples for u, _ in pairs)
         if rate >= 1.0:
             self.global_weights = avg

@@ -59,8 +59,8 @@ def adaptive_margin(class_means: torch.Tensor, threshold: float) -> float:
         return float(threshold)
     d = safe_cdist(class_means, class_means)
     d.fill_diagonal_(float("inf"))
-    gaps = d.min(1).values
-    return float(min(float(gaps.max()), threshold))
+    gaps = d.min(1).values  # FedTGP: gap_c = min_{c' != c} d(P^c, P^c')
+    return float(min(float(gaps.max()), threshold))  # FedTGP: delta = min(max_c gap_c, tau)
 
 
 def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, generated: torch.Tensor, margin: float,
@@ -71,8 +71,8 @@ def margin_contrastive_loss(protos: torch.Tensor, labels: torch.Tensor, generate
     (plain mean when None, as in FedTGP).
     """
     dist = safe_cdist(protos, generated)
-    dist = dist + margin * F.one_hot(labels, generated.shape[0]).to(dist.dtype)
-    per_pair = F.cross_entropy(-dist, labels, reduction="none")
+    dist = dist + margin * F.one_hot(labels, generated.shape[0]).to(dist.dtype)  # FedTGP: d + delta [c' = c]
+    per_pair = F.cross_entropy(-dist, labels, reduction="none")  # FedTGP: CE over logits -(d + delta [c' = c])
     if weights is None:
         return per_pair.mean()
     return (per_pair * weights).sum() / weights.sum()

@@ -130,7 +130,7 @@ class ServerCore:
 
     With ``background=True`` :meth:`submit` only validates and buffers, under a lock, and a
     training thread calls :meth:`wait_and_step`, which aggregates K buffered updates whenever
-    there are K. Intake therefore never waits behind server training (FedTGP's generator):
+    there are K. Intake therefore never waits behind server training (a generator, anchors):
     an update's staleness counts the versions produced while its client trained, not the time
     it would otherwise spend queued behind the server. Without it (tests, in-process use),
     :meth:`submit` aggregates inline.
