@@ -124,8 +124,8 @@ class ServerActor:
                 raise RuntimeError(f"server training failed: {self.error!r}") from self.error
             out, self._new_versions = self._new_versions, []
         with self.core.cond:
-            backlog = len(self.core.buffer)
-        return {"versions": out, "backlog": backlog}
+            backlog, version = len(self.core.buffer), self.core.version
+        return {"versions": out, "backlog": backlog, "version": version}
 
     def submit(self, update) -> dict[str, Any]:
         receipt = self.core.submit(update)

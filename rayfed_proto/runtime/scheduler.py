@@ -82,7 +82,8 @@ class Scheduler:
         self.round_outstanding = 0
         self.step_ref = None
         self.versions_ref = None  # async: the outstanding server.wait_versions call
-        self.backlog = 0  # accepted updates waiting at the server (last report)
+        self.backlog = 0  # accepted updates waiting at the server (latest report) ...
+        self.backlog_version = 0  # ... and the server version it was read at
         self.unreported_submits = 0  # submitted, receipt not back yet
         self.t0 = time.perf_counter()
 
@@ -127,6 +128,12 @@ class Scheduler:
                     break
                 self._dispatch(int(self.rng.choice(idle)))
 
+    def _note_backlog(self, backlog: int, at_version: int) -> None:
+        # readings can arrive out of order: a receipt taken before the server's last step must
+        # not overwrite a later reading (it would stall dispatch until the next one)
+        if at_version >= self.backlog_version:
+            self.backlog, self.backlog_version = backlog, at_version
+
     def _start_eval(self, version: int, state_ref) -> None:
         # Counters are read now, when the version exists: evaluation results arrive later (they
         # queue behind local updates on the actors) and must not be credited with later work.
@@ -161,7 +168,7 @@ class Scheduler:
         if ref is not self.step_ref:
             self.unreported_submits -= 1
             if "backlog" in receipt:
-                self.backlog = receipt["backlog"]
+                self._note_backlog(receipt["backlog"], receipt["version"])
         if ref is self.step_ref:
             self.step_ref = None
         elif self.mode == "sync":
@@ -176,7 +183,7 @@ class Scheduler:
         """Async: the server's training thread produced these versions since the last wait."""
         self.versions_ref = None
         reply = ray.get(ref)
-        self.backlog = reply["backlog"]
+        self._note_backlog(reply["backlog"], reply["version"])
         for version, state_ref in sorted(reply["versions"], key=lambda vs: vs[0]):
             self._on_new_version(version, state_ref)
 
