@@ -4,7 +4,18 @@ from rayfed_proto.registry import Registry
 
 ALGORITHMS: Registry = Registry("algorithm")
 
-from rayfed_proto.algorithms import fedavg, fedproto, fedtgp  # noqa: E402,F401  (register)
+
+
+def _load_builtin() -> None:
+    """Import every method module of this package (each registers itself): a new method is a
+    new file here, with no list to edit."""
+    import importlib
+    import pkgutil
+
+    shared = {"base", "common", "schedules"}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name not in shared and not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
 
 
 def _load_plugins() -> None:
@@ -27,6 +38,7 @@ from rayfed_proto.algorithms.base import (  # noqa: E402
     ServerAlgorithm,
 )
 
+_load_builtin()
 _load_plugins()  # after the interface imports above, so plug-ins can import them from here
 
 __all__ = ["ALGORITHMS", "Algorithm", "ClientAlgorithm", "ServerAlgorithm", "FederationSpec", "Options"]

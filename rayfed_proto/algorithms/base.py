@@ -27,6 +27,7 @@ from rayfed_proto.algorithms.common import (
     local_prototypes,
     staleness_weight,
 )
+from rayfed_proto.algorithms.schedules import AlignmentSchedule
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
 
 
@@ -179,6 +180,12 @@ class PrototypeOptions(Options):
         "mean", description="||f - P||^2 per dimension (reference code, default) or summed (as printed)")
     aggregation_scope: Literal["buffer", "latest"] = Field(
         "buffer", description="aggregate the buffered updates only, or every client's latest upload (staleness-weighted)")
+    alignment_schedule: Optional[AlignmentSchedule] = Field(
+        None, description="curriculum for the alignment weight (FedSAP Eq. 7); none: the constant lam")
+
+    def alignment_weight(self, version: int) -> float:
+        """lambda_t: ``lam`` scaled by the schedule at the version trained against (FedSAP Eq. 7)."""
+        return self.lam * (self.alignment_schedule.factor(version) if self.alignment_schedule else 1.0)
 
 
 class PrototypeServer(ServerAlgorithm):

@@ -23,15 +23,12 @@ class PrototypeAlignmentClient(ClientAlgorithm):
 
     options: FedProtoOptions
 
-    def alignment_weight(self) -> float:
-        return self.options.lam
-
     def loss(self, model, x, y):
         feats, logits = model.forward_features(x)
         ce = F.cross_entropy(logits, y)  # L_S of FedSA Eq. 4
         targets, mask = bank_tensors(self.guidance, self.spec.num_classes, feats.device)
         align = alignment_loss(feats, y, targets, mask, self.options.alignment_reduction)  # L_R, FedSA Eq. 4
-        lam = self.alignment_weight()
+        lam = self.options.alignment_weight(self.version)  # constant, or the curriculum of FedSAP Eq. 7
         return ce + lam * align, {"ce": ce.item(), "align": align.item()}
 
 

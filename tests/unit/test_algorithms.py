@@ -274,3 +274,27 @@ def test_prototype_server_state_round_trips_as_plain_arrays():
     fresh.load_state_dict(state)
     np.testing.assert_allclose(fresh.broadcast(1).prototypes.vectors, server.broadcast(1).prototypes.vectors)
     assert fresh.latest[1][1] == 0
+
+
+@pytest.mark.parametrize("shape,version,expected", [
+    ("linear", 0, 0.0), ("linear", 20, 0.0), ("linear", 60, 0.5), ("linear", 100, 1.0), ("linear", 500, 1.0),
+    ("cosine", 60, 0.5), ("cosine", 40, 0.5 * (1 - math.cos(math.pi * 0.25))),
+    ("sigmoid", 20, 0.0), ("sigmoid", 60, 0.5), ("sigmoid", 100, 1.0),
+    ("step", 99, 0.0), ("step", 100, 1.0),
+])
+def test_alignment_schedule_values_at_chosen_versions(shape, version, expected):
+    from rayfed_proto.algorithms.schedules import AlignmentSchedule
+
+    assert AlignmentSchedule(shape=shape, start=20, length=80).factor(version) == pytest.approx(expected, abs=1e-9)
+
+
+def test_fedproto_alignment_weight_follows_the_schedule():
+    algo = ALGORITHMS.get("fedproto")
+    opts = algo.Options(lam=0.7, alignment_schedule={"start": 20, "length": 80})
+    assert opts.alignment_weight(10) == 0.0 and opts.alignment_weight(60) == pytest.approx(0.35)
+    assert algo.Options(lam=0.7).alignment_weight(0) == pytest.approx(0.7)  # no schedule: constant
+    client = algo.Client(opts, SPEC, 0)
+    model = FixedModel(num_classes=3)
+    x, y = torch.tensor([[1.0, 2.0]]), torch.tensor([0])
+    client.receive(GlobalState(version=10, prototypes=pset([0], [[0, 0]], [1])), model)
+    assert client.loss(model, x, y)[0].item() == pytest.approx(math.log(3))  # before the ramp: CE only
