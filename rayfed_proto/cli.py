@@ -18,16 +18,34 @@ from rayfed_proto.config import ConfigError, ExperimentConfig, InputError, load_
 EXIT_BAD_INPUT = 2
 
 
+def presets_dir() -> Path:
+    return Path(str(resources.files("rayfed_proto") / "presets"))
+
+
 def default_config_path() -> Path:
-    return Path(str(resources.files("rayfed_proto") / "presets" / "default.yaml"))
+    return presets_dir() / "default.yaml"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def resolve_config_arg(config: str | None) -> Path:
+    """A YAML path, or the name of a packaged preset (``rayfed-proto run fedsa_digits``)."""
+    if config is None:
+        return default_config_path()
+    path = Path(config)
+    if not path.exists() and path.suffix == "" and config in preset_names():
+        return presets_dir() / f"{config}.yaml"
+    return path
 
 
 def _load(args) -> ExperimentConfig:
-    return load_config(args.config or default_config_path(), args.set)
+    return load_config(resolve_config_arg(args.config), args.set)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="experiment YAML (default: the packaged default preset)")
+    p.add_argument("config", nargs="?", help="experiment YAML or preset name (default: the packaged default preset)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry, e.g. --set federation.mode=sync (repeatable)")
 
@@ -58,6 +76,11 @@ def cmd_list(args) -> int:
     section("partitioners", PARTITIONERS)
     section("model groups", MODEL_GROUPS, lambda g: ", ".join(MODEL_GROUPS.get(g)))
     section("architectures", ARCHITECTURES)
+    print("presets (rayfed-proto run NAME):")
+    for name in preset_names():
+        first = (presets_dir() / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+        print(f"  {name:<20} {first}")
+    print()
     if args.options:
         algo = ALGORITHMS.get(args.options)
         print(f"options of {args.options} (set as algorithm.<name>):")

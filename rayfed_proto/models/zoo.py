@@ -261,6 +261,7 @@ MODEL_GROUPS.add("HtFE1", ["cnn"], help="homogeneous: the FedAvg CNN for every c
 # groups nested (each one's models are in the next) and reproducible from this file alone.
 for _n in (2, 3, 5):
     MODEL_GROUPS.add(f"HtFE{_n}", _HTFE8[:_n], help=f"first {_n} extractors of HtFE8: " + ", ".join(_HTFE8[:_n]))
+MODEL_GROUPS.add("ResNet18", ["resnet18"], help="homogeneous: ResNet-18 for every client (FedSAP's CIFAR setting)")
 MODEL_GROUPS.add(
     "small_hetero", ["cnn", "cnn_narrow", "cnn_deep", "mlp"],
     help="4 heterogeneous small models for CPU demos: cnn, cnn_narrow, cnn_deep, mlp",
