@@ -85,17 +85,20 @@ class ClientRunner:
         self.model.eval()
         bank = self.algorithm.inference_bank()
         head = proto = 0
+        all_feats = []
         for i in range(0, len(self.test_y), batch_size):
             x = self.test_x[i : i + batch_size].to(self.device)
             y = self.test_y[i : i + batch_size].to(self.device)
             feats, logits = self.model.forward_features(x)
+            all_feats.append(feats.float().cpu())
             head += int((logits.argmax(1) == y).sum())
             pred = nearest_prototype_predict(feats, bank)
             if pred is not None:
                 proto += int((pred == y).sum())
         self.model.train()
         return {"client_id": self.client_id, "state_version": state.version, "n": int(len(self.test_y)), "head_correct": head,
-                "proto_correct": proto if bank is not None and len(bank) else None, "train_loss": self.last_loss}
+                "proto_correct": proto if bank is not None and len(bank) else None, "train_loss": self.last_loss,
+                "silhouette": embedding_silhouette(torch.cat(all_feats) if all_feats else None, self.test_y)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": {k: v.cpu() for k, v in self.model.state_dict().items()},
@@ -108,6 +111,20 @@ class ClientRunner:
         self.algorithm.load_state_dict(state["algorithm"])
         self.batches.generator.set_state(state["batch_rng"])
         self.last_loss = state["last_loss"]
+
+
+def embedding_silhouette(features: Optional[torch.Tensor], labels: torch.Tensor) -> Optional[float]:
+    """Silhouette score of the embeddings grouped by true class (FedSAP reports it per
+    evaluation): how compact and separated the classes are. None when undefined (fewer than 2
+    classes, or as many classes as samples)."""
+    if features is None:
+        return None
+    n, k = len(labels), len(torch.unique(labels))
+    if k < 2 or k >= n:
+        return None
+    from sklearn.metrics import silhouette_score
+
+    return float(silhouette_score(features.numpy(), labels.numpy(), metric="euclidean"))
 
 
 @dataclass

@@ -40,7 +40,7 @@ class SchedulerStats:
     bytes_up: int = 0
     bytes_down: int = 0
     withheld: int = 0  # finished after the last version: never submitted
-    last_loss: dict[int, float] = field(default_factory=dict)
+    last_terms: dict[int, dict[str, float]] = field(default_factory=dict)  # client -> its latest training terms
 
 
 class Scheduler:
@@ -137,7 +137,7 @@ class Scheduler:
     def _start_eval(self, version: int, state_ref) -> None:
         # Counters are read now, when the version exists: evaluation results arrive later (they
         # queue behind local updates on the actors) and must not be credited with later work.
-        self.eval_snapshot[version] = (dataclasses.replace(self.stats, last_loss=dict(self.stats.last_loss)),
+        self.eval_snapshot[version] = (dataclasses.replace(self.stats, last_terms=dict(self.stats.last_terms)),
                                        self.wall(), self.server.stats.remote(version))
         self.eval_pending[version] = len(self.actors)
         self.eval_results[version] = []
@@ -155,7 +155,7 @@ class Scheduler:
         self.stats.busy_s += meta["busy_s"]
         self.stats.bytes_up += meta["upload_bytes"]
         self.stats.bytes_down += meta["download_bytes"]
-        self.stats.last_loss[client] = meta["terms"].get("loss", float("nan"))
+        self.stats.last_terms[client] = dict(meta["terms"])
         if self.version >= self.rounds:
             self.stats.withheld += 1  # finished: late updates are not submitted
             return
@@ -225,10 +225,16 @@ class Scheduler:
             proto = np.array([r["proto_correct"] for r in results], float)
             m.update(proto_acc=float(proto.sum() / n.sum()), proto_acc_mean=float(np.mean(proto / n)),
                      proto_acc_std=float(np.std(proto / n)))
-        losses = [v for v in stats.last_loss.values() if math.isfinite(v)]
+        # every term a method reports from local training (loss, its parts, pseudo-label counts ...):
+        # the mean over clients of each one's latest update, as train_<term>
+        for key in sorted({k for terms in stats.last_terms.values() for k in terms}):
+            values = [t[key] for t in stats.last_terms.values() if key in t and math.isfinite(t[key])]
+            m[f"train_{key}"] = float(np.mean(values)) if values else float("nan")
+        silhouettes = [r["silhouette"] for r in results if r.get("silhouette") is not None]
+        if silhouettes:
+            m["silhouette_mean"] = float(np.mean(silhouettes))
         margin_min, margin_mean = server["margin"]
         m.update(
-            train_loss=float(np.mean(losses)) if losses else float("nan"),
             proto_margin_min=margin_min, proto_margin_mean=margin_mean,
             bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
             staleness_mean=server["staleness_mean"], staleness_max=server["staleness_max"],

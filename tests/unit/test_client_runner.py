@@ -44,3 +44,23 @@ def test_client_state_round_trip_continues_identically(setup):
     np.testing.assert_allclose(ua.prototypes.vectors, ub.prototypes.vectors, rtol=1e-5, atol=1e-6)
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(pa, pb)
+
+
+def test_embedding_silhouette_by_hand_and_undefined_cases():
+    from rayfed_proto.runtime.core import embedding_silhouette
+
+    # two tight, far-apart clusters: a = 0.5 (mean distance within), b = 10 (to the other): s = 1 - a/b
+    feats = torch.tensor([[0.0, 0.0], [0.5, 0.0], [10.0, 0.0], [10.5, 0.0]])
+    labels = torch.tensor([0, 0, 1, 1])
+    # point 0: a = 0.5, b = (10 + 10.5) / 2 = 10.25 -> 1 - 0.5/10.25; points 1, 2 share b = 9.75 by symmetry
+    expected = np.mean([1 - 0.5 / 10.25, 1 - 0.5 / 9.75, 1 - 0.5 / 9.75, 1 - 0.5 / 10.25])
+    assert embedding_silhouette(feats, labels) == pytest.approx(expected)
+    assert embedding_silhouette(feats, torch.zeros(4, dtype=torch.long)) is None  # one class
+    assert embedding_silhouette(feats[:2], torch.tensor([0, 1])) is None  # as many classes as samples
+
+
+def test_evaluation_reports_a_silhouette_in_range(setup):
+    cfg, ds, part = setup
+    runner = ClientRunner(cfg, part.clients[2], ds, torch.device("cpu"))
+    ev = runner.evaluate(GlobalState(version=0))
+    assert ev["silhouette"] is None or -1.0 <= ev["silhouette"] <= 1.0

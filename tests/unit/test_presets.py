@@ -1,0 +1,26 @@
+"""Every packaged preset is a valid config (validated exactly as `rayfed-proto validate NAME`)."""
+
+import pytest
+
+from rayfed_proto.cli import preset_names, resolve_config_arg
+from rayfed_proto.config import load_config
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_preset_validates(name):
+    cfg = load_config(resolve_config_arg(name))
+    assert cfg.federation.rounds >= cfg.federation.eval_every
+
+
+def test_paper_presets_carry_the_papers_settings():
+    silo = load_config(resolve_config_arg("fedsa_cross_silo"))
+    device = load_config(resolve_config_arg("fedsa_cross_device"))
+    assert (silo.federation.num_clients, silo.federation.participation) == (20, 1.0)
+    assert (device.federation.num_clients, device.federation.participation) == (100, 0.1)
+    for cfg in (silo, device):
+        assert (cfg.data.name, cfg.model.group, cfg.data.partition.beta) == ("cifar100", "HtFE8", 0.1)
+    sap = load_config(resolve_config_arg("fedsap_cifar10"))
+    opts = sap.algorithm_options()
+    assert (opts.proxy_scale, opts.lam) == (32, 0.7)
+    assert (opts.alignment_schedule.start, opts.alignment_schedule.start + opts.alignment_schedule.length) == (20, 100)
+    assert sap.data.partition.name == "nway_kshot" and sap.federation.num_clients == 20
