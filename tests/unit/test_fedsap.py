@@ -550,3 +550,32 @@ def test_semi_supervised_options():
     with pytest.raises(ValueError):
         SemiSupervisedOptions(bogus=1)
     assert ALGO.Options(semi_supervised={"alpha": 0.2}).semi_supervised.alpha == 0.2
+
+
+def test_through_the_client_runner_with_a_real_model_and_a_state_round_trip():
+    from rayfed_proto.config import build_config
+    from rayfed_proto.data import load_dataset, make_partition
+    from rayfed_proto.messages import UpdateSchema, validate_update
+    from rayfed_proto.runtime.core import ClientRunner
+
+    cfg = build_config({"algorithm": {"name": "fedsap", "semi_supervised": {"supervised_versions": 1}}},
+                       ["federation.num_clients=4", "model.feature_dim=16", "data.partition.beta=1.0",
+                        "data.image_size=16"])
+    ds = load_dataset(cfg.data, cfg.seed)
+    part = make_partition(ds, cfg.data.partition, 4, cfg.seed, cfg.data.test_fraction)
+    schema = UpdateSchema(4, ds.num_classes, 16)
+    a = ClientRunner(cfg, part.clients[0], ds, torch.device("cpu"))
+    meta, first = a.train(GlobalState(version=0))  # supervised phase: labelled half only
+    hidden = a.algorithm.unlabelled
+    assert validate_update(first, schema, current_version=0) is None
+    assert first.num_samples == int((~hidden).sum()) and meta["terms"]["pseudo_candidates"] == 0
+    bank = GlobalState(version=1, prototypes=first.prototypes)
+    meta, second = a.train(bank)  # semi-supervised phase: calibrated, pseudo-labels drawn
+    assert validate_update(second, schema, current_version=1) is None
+    assert a.algorithm.thresholds is not None and meta["terms"]["pseudo_candidates"] > 0
+    b = ClientRunner(cfg, part.clients[0], ds, torch.device("cpu"))
+    b.load_state_dict(a.state_dict())
+    _, ua = a.train(GlobalState(version=2, prototypes=first.prototypes))
+    _, ub = b.train(GlobalState(version=2, prototypes=first.prototypes))
+    np.testing.assert_allclose(ua.prototypes.vectors, ub.prototypes.vectors, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(a.algorithm.accepted_idx, b.algorithm.accepted_idx)
