@@ -42,3 +42,18 @@ def test_method_runs_through_actors_and_logs_to_mlflow(ray_session, tracking, me
     bank = result.output_dir / "global_prototypes.npz"
     if bank.exists():
         assert np.isfinite(np.load(bank)["vectors"]).all()
+
+
+def test_fedsap_semi_supervised_logs_pseudo_labels_per_version(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, track + [
+        "algorithm.name=fedsap", "algorithm.semi_supervised.unlabelled_fraction=0.5",
+        "algorithm.semi_supervised.supervised_versions=1", "algorithm.alignment_schedule=null",
+        "data.partition.beta=0.5", "data.partition.min_samples=40", "model.feature_dim=32",
+        "federation.num_clients=4", "resources.clients_per_actor=2", "federation.mode=sync",
+        "federation.rounds=3", "federation.eval_every=1"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    history = MlflowClient(uri).get_metric_history(result.run_id, "train_pseudo_candidates")
+    assert history and max(m.value for m in history) > 0  # the semi-supervised phase ran and was logged
+    last = result.history[-1]
+    assert "train_pseudo_accepted" in last and last["train_pseudo_accepted"] >= 0
