@@ -346,8 +346,12 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
             return False
         return True
 
-    issues.extend(_algorithm_issues(cfg.algorithm.name, cfg.algorithm.options()))
+    option_issues = _algorithm_issues(cfg.algorithm.name, cfg.algorithm.options())
+    issues.extend(option_issues)
     algo_cls = ALGORITHMS.get(cfg.algorithm.name) if cfg.algorithm.name in ALGORITHMS else None
+    if algo_cls is not None and not option_issues:  # the algorithm's own cross-field rules
+        for key, value, allowed in cfg.algorithm_options().run_issues(cfg.federation.rounds):
+            issues.append(ConfigIssue(key=f"algorithm.{key}", value=value, allowed=allowed))
     check_name("data.name", cfg.data.name, DATASETS)
     check_name("data.partition.name", cfg.data.partition.name, PARTITIONERS)
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)

@@ -36,6 +36,11 @@ class Options(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
+    def run_issues(self, rounds: int) -> list[tuple[str, Any, str]]:
+        """Problems of these options for a run of ``rounds`` server versions, as
+        (key under ``algorithm.``, value, what is allowed); checked before Ray starts."""
+        return []
+
 
 @dataclass
 class FederationSpec:

@@ -126,6 +126,13 @@ class FedSAPOptions(PrototypeOptions):
     semi_supervised: Optional[SemiSupervisedOptions] = Field(
         None, description="semi-supervised extension (Sec. 3.6, Eq. 10-14); null: fully supervised")
 
+    def run_issues(self, rounds: int) -> list[tuple[str, Any, str]]:
+        ssl = self.semi_supervised
+        if ssl is not None and ssl.supervised_versions >= rounds:
+            return [("semi_supervised.supervised_versions", ssl.supervised_versions,
+                     f"fewer than federation.rounds ({rounds}), or the semi-supervised phase never starts")]
+        return []
+
 
 def proxy_logits(features: torch.Tensor, bank_vectors: torch.Tensor, scale: float) -> torch.Tensor:
     """(B, m) scaled cosine logits z_{i,c} = s * <f_i/|f_i|, P^c/|P^c|> against m bank vectors."""

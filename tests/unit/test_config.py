@@ -101,3 +101,13 @@ def test_flat_params_cover_the_whole_config():
 def test_every_problem_is_reported_in_one_pass():
     issues, _ = issues_of({"federation": {"participation": 1.5}, "algorithm": {"name": "fedfoo"}})
     assert set(issues) == {"federation.participation", "algorithm.name"}
+
+
+def test_algorithm_cross_field_rule_semi_supervised_phase_must_start():
+    issues, _ = issues_of({"algorithm": {"name": "fedsap", "semi_supervised": {"supervised_versions": 100}},
+                           "federation": {"rounds": 50, "eval_every": 5}})
+    issue = issues["algorithm.semi_supervised.supervised_versions"]
+    assert issue.value == 100 and "fewer than federation.rounds (50)" in issue.allowed
+    ok = build_config({"algorithm": {"name": "fedsap", "semi_supervised": {"supervised_versions": 20}},
+                       "federation": {"rounds": 50, "eval_every": 5}})
+    assert ok.algorithm_options().semi_supervised.supervised_versions == 20
