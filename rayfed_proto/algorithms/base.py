@@ -76,6 +76,22 @@ class TrainBatchIterator:
             yield self.x[idx], self.y[idx]
 
 
+def guarded_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:
+    """Backward and optimizer step, unless the loss or a gradient is not finite: then nothing
+    changes and False is returned. One exploding batch must not turn a client's model into NaN
+    (which would also make every later upload refused)."""
+    if not bool(torch.isfinite(loss)):
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads and not bool(torch.isfinite(torch.stack([g.detach().abs().max() for g in grads])).all()):
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    optimizer.step()
+    return True
+
+
 class ClientAlgorithm:
     """Client part; one instance per client, holding that client's algorithm state."""
 
@@ -101,19 +117,22 @@ class ClientAlgorithm:
         """Default local update: ``epochs`` passes of SGD on :meth:`loss`; returns mean terms."""
         model.train()
         totals: dict[str, float] = {}
-        steps = 0
+        steps = skipped = 0
         for _ in range(epochs):
             for xb, yb in batches.epoch():
                 xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 loss, terms = self.loss(model, xb, yb)
-                loss.backward()
-                optimizer.step()
+                if not guarded_step(model, optimizer, loss):
+                    skipped += 1
+                    continue
                 steps += 1
                 totals["loss"] = totals.get("loss", 0.0) + loss.item()
                 for k, v in terms.items():
                     totals[k] = totals.get(k, 0.0) + v
-        return {k: v / max(steps, 1) for k, v in totals.items()}
+        out = {k: v / max(steps, 1) for k, v in totals.items()}
+        out["nonfinite_steps"] = float(skipped)
+        return out
 
     def make_update(self, model, x: torch.Tensor, y: torch.Tensor) -> ClientUpdate:
         """What to upload after training (default: local prototypes of the held classes)."""

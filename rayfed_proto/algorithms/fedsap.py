@@ -77,6 +77,7 @@ from rayfed_proto.algorithms.base import (
     PrototypeOptions,
     PrototypeServer,
     TrainBatchIterator,
+    guarded_step,
 )
 from rayfed_proto.algorithms.common import alignment_loss, bank_tensors
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
@@ -371,7 +372,7 @@ class FedSAPClient(ClientAlgorithm):
 
         model.train()
         totals: dict[str, float] = {}
-        steps = candidates = accepted = correct = 0
+        steps = skipped = candidates = accepted = correct = 0
         for _ in range(epochs):
             for xb, yb in labelled.epoch():
                 xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
@@ -405,13 +406,15 @@ class FedSAPClient(ClientAlgorithm):
                     terms["cons"] = cons.item()
                 else:
                     terms["cons"] = 0.0
-                loss.backward()
-                optimizer.step()
+                if not guarded_step(model, optimizer, loss):
+                    skipped += 1
+                    continue
                 steps += 1
                 totals["loss"] = totals.get("loss", 0.0) + loss.item()
                 for k, v in terms.items():
                     totals[k] = totals.get(k, 0.0) + v
         out = {k: v / max(steps, 1) for k, v in totals.items()}
+        out["nonfinite_steps"] = float(skipped)
         if decisions:
             kept = sorted((i, p) for i, p in decisions.items() if p >= 0)
             self.accepted_idx = np.array([i for i, _ in kept], dtype=np.int64)

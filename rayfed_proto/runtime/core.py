@@ -98,7 +98,8 @@ class ClientRunner:
         self.model.train()
         return {"client_id": self.client_id, "state_version": state.version, "n": int(len(self.test_y)), "head_correct": head,
                 "proto_correct": proto if bank is not None and len(bank) else None, "train_loss": self.last_loss,
-                "silhouette": embedding_silhouette(torch.cat(all_feats) if all_feats else None, self.test_y)}
+                "silhouette": embedding_silhouette(torch.cat(all_feats) if all_feats else None, self.test_y),
+                "nonfinite": bool(all_feats) and not bool(torch.isfinite(torch.cat(all_feats)).all())}
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": {k: v.cpu() for k, v in self.model.state_dict().items()},
@@ -117,8 +118,8 @@ def embedding_silhouette(features: Optional[torch.Tensor], labels: torch.Tensor)
     """Silhouette score of the embeddings grouped by true class (FedSAP reports it per
     evaluation): how compact and separated the classes are. None when undefined (fewer than 2
     classes, or as many classes as samples)."""
-    if features is None:
-        return None
+    if features is None or not bool(torch.isfinite(features).all()):
+        return None  # a diverged model has no geometry to score; counted as clients_nonfinite
     n, k = len(labels), len(torch.unique(labels))
     if k < 2 or k >= n:
         return None

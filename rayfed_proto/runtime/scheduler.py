@@ -230,6 +230,7 @@ class Scheduler:
         for key in sorted({k for terms in stats.last_terms.values() for k in terms}):
             values = [t[key] for t in stats.last_terms.values() if key in t and math.isfinite(t[key])]
             m[f"train_{key}"] = float(np.mean(values)) if values else float("nan")
+        m["clients_nonfinite"] = sum(1 for r in results if r.get("nonfinite"))  # models that produce NaN/inf features
         silhouettes = [r["silhouette"] for r in results if r.get("silhouette") is not None]
         if silhouettes:
             m["silhouette_mean"] = float(np.mean(silhouettes))

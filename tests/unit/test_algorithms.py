@@ -298,3 +298,17 @@ def test_fedproto_alignment_weight_follows_the_schedule():
     x, y = torch.tensor([[1.0, 2.0]]), torch.tensor([0])
     client.receive(GlobalState(version=10, prototypes=pset([0], [[0, 0]], [1])), model)
     assert client.loss(model, x, y)[0].item() == pytest.approx(math.log(3))  # before the ramp: CE only
+
+
+def test_guarded_step_skips_nonfinite_loss_and_gradients():
+    from rayfed_proto.algorithms.base import guarded_step
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.tensor([[1.0, 2.0]])
+    assert not guarded_step(model, opt, model(x).sum() * float("nan"))  # NaN loss: no step
+    assert not guarded_step(model, opt, (model(x) * torch.tensor(float("inf"))).sum() * 0 + model(x).sum() * 1e39 * 1e39)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert guarded_step(model, opt, model(x).sum())  # a finite step is applied
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

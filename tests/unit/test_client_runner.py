@@ -64,3 +64,10 @@ def test_evaluation_reports_a_silhouette_in_range(setup):
     runner = ClientRunner(cfg, part.clients[2], ds, torch.device("cpu"))
     ev = runner.evaluate(GlobalState(version=0))
     assert ev["silhouette"] is None or -1.0 <= ev["silhouette"] <= 1.0
+
+
+def test_silhouette_of_a_diverged_model_is_none_not_a_crash():
+    from rayfed_proto.runtime.core import embedding_silhouette
+
+    feats = torch.tensor([[0.0, 0.0], [float("nan"), 0.0], [10.0, 0.0], [10.5, 0.0]])
+    assert embedding_silhouette(feats, torch.tensor([0, 0, 1, 1])) is None

@@ -310,7 +310,7 @@ def test_local_train_runs_and_lowers_the_loss():
     first = client.local_train(model, opt, it, 1, CPU)
     for _ in range(20):
         last = client.local_train(model, opt, it, 1, CPU)
-    assert set(first) == {"loss", "ce", "r", "mcl", "cc"}
+    assert set(first) == {"loss", "ce", "r", "mcl", "cc", "nonfinite_steps"} and first["nonfinite_steps"] == 0
     assert last["loss"] < first["loss"]
     update = client.make_update(model, x, y)
     assert update.prototypes.class_ids.tolist() == [0, 1, 2]
