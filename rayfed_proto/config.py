@@ -92,6 +92,7 @@ class TrainingConfig(_Section):
     lr: float = Field(0.01, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: Optional[float] = Field(None, gt=0, description="clip local gradients to this norm (none: no clipping, as the papers)")
 
 
 class FederationConfig(_Section):

@@ -88,6 +88,9 @@ def guarded_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss:
     if grads and not bool(torch.isfinite(torch.stack([g.detach().abs().max() for g in grads])).all()):
         optimizer.zero_grad(set_to_none=True)
         return False
+    max_norm = getattr(optimizer, "max_grad_norm", None)  # set by the runtime from training.max_grad_norm
+    if max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
     return True
 

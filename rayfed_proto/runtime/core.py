@@ -43,8 +43,11 @@ def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, i
 def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = cfg.training
     if t.optimizer == "adam":
-        return torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    return torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        opt = torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+    opt.max_grad_norm = t.max_grad_norm  # read by algorithms.base.guarded_step
+    return opt
 
 
 class ClientRunner:
@@ -114,6 +117,13 @@ class ClientRunner:
         self.last_loss = state["last_loss"]
 
 
+def _state_is_finite(state: GlobalState) -> bool:
+    arrays = list((state.weights or {}).values()) + list(state.extras.values())
+    if state.prototypes is not None:
+        arrays.append(state.prototypes.vectors)
+    return all(np.isfinite(a).all() for a in arrays if np.issubdtype(np.asarray(a).dtype, np.floating))
+
+
 def embedding_silhouette(features: Optional[torch.Tensor], labels: torch.Tensor) -> Optional[float]:
     """Silhouette score of the embeddings grouped by true class (FedSAP reports it per
     evaluation): how compact and separated the classes are. None when undefined (fewer than 2
@@ -136,6 +146,7 @@ class ServerCounters:
     late: int = 0
     staleness: list[int] = field(default_factory=list)  # of accepted updates since last read
     server_train_s: float = 0.0
+    rolled_back: int = 0  # versions whose aggregate was non-finite and was undone
     refusals: list[str] = field(default_factory=list)  # last reasons, for the log
 
 
@@ -231,8 +242,19 @@ class ServerCore:
             new_version = self.version + 1
         updates = [u for u, _ in taken]
         weights = [w for _, w in taken]
+        before = self.algorithm.state_dict() if updates else None
         metrics = self.algorithm.aggregate(updates, weights, new_version) if updates else {}
         state, margin = self._broadcast(new_version)
+        if before is not None and not _state_is_finite(state):
+            # finite-but-absurd uploads (a client whose model blew up) can still drive the
+            # aggregate or server training to inf/NaN: the global state must never hold one
+            self.algorithm.load_state_dict(before)
+            state, margin = self._broadcast(new_version)
+            metrics = {"rolled_back": 1.0}
+            with self.cond:
+                self.counters.rolled_back += 1
+            log.warning("version %d produced a non-finite global state: rolled back, %d updates discarded",
+                        new_version, len(updates))
         dt = time.perf_counter() - t0
         with self.cond:
             self.version, self.state = new_version, state
@@ -249,7 +271,7 @@ class ServerCore:
         return {"version": self.version, "algorithm": self.algorithm.state_dict(),
                 "buffer": [(u, w) for u, w in self.buffer],
                 "counters": {"accepted": c.accepted, "refused": c.refused, "dropped_stale": c.dropped_stale,
-                             "late": c.late, "server_train_s": c.server_train_s},
+                             "late": c.late, "server_train_s": c.server_train_s, "rolled_back": c.rolled_back},
                 "margins": {int(v): m for v, m in self.margins.items()},
                 "version_metrics": {int(v): dict(m) for v, m in self.version_metrics.items()}}
 
@@ -278,6 +300,7 @@ class ServerCore:
         c.staleness = []
         return {"version": self.version, "accepted": c.accepted, "refused": c.refused,
                 "dropped_stale": c.dropped_stale, "late": c.late, "server_train_s": c.server_train_s,
+                "rolled_back": c.rolled_back,
                 "staleness_mean": float(np.mean(stale)) if stale else 0.0,
                 "staleness_max": int(max(stale)) if stale else 0,
                 "margin": self.margins.get(version, (float("nan"), float("nan"))), "last_refusals": list(c.refusals),

@@ -240,6 +240,7 @@ class Scheduler:
             bytes_up=stats.bytes_up, bytes_down=stats.bytes_down,
             staleness_mean=server["staleness_mean"], staleness_max=server["staleness_max"],
             updates_accepted=server["accepted"], updates_dropped=server["dropped_stale"], updates_late=server["late"],
+            versions_rolled_back=server["rolled_back"],
             updates_refused=server["refused"], updates_dispatched=stats.dispatched,
             client_busy_s=stats.busy_s, server_train_s=server["server_train_s"], wall_s=wall,
             slot_utilisation=stats.busy_s / (self.concurrency * wall) if wall > 0 else float("nan"),

@@ -153,3 +153,21 @@ def test_background_intake_does_not_wait_for_server_training():
     release.set()
     trainer.join(5)
     assert core.version == 1 and len(core.buffer) == 1  # the new update waits for the next version
+
+
+def test_a_non_finite_aggregate_is_rolled_back_and_counted():
+    core = _core(buffer=1)
+    core.submit(upd(0, 0, 1.0))  # v1: class 0 at (1, 1)
+    real = core.algorithm.aggregate
+
+    def blows_up(updates, weights, version):  # stands in for server training that diverged
+        out = real(updates, weights, version)
+        core.algorithm.bank.vectors[:] = np.inf
+        return out
+
+    core.algorithm.aggregate = blows_up
+    assert core.submit(upd(1, 1, 5.0))["accepted"]
+    assert core.version == 2  # the run goes on ...
+    np.testing.assert_allclose(core.state.prototypes.vectors[0], [1.0, 1.0])  # ... from the previous state
+    assert np.isfinite(core.algorithm.bank.vectors).all()
+    assert core.read_stats()["rolled_back"] == 1
