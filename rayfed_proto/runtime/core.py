@@ -239,6 +239,10 @@ class ServerCore:
             # version's cost is bounded; sync (no buffer size): the whole round
             k = len(self.buffer) if self.buffer_size is None else self.buffer_size
             taken, self.buffer = self.buffer[:k], self.buffer[k:]
+            if self.buffer_size is None:
+                # sync: a round is aggregated in client order, not arrival order, so that a run
+                # is reproducible (float sums and server-training batches depend on the order)
+                taken.sort(key=lambda uw: uw[0].client_id)
             new_version = self.version + 1
         updates = [u for u, _ in taken]
         weights = [w for _, w in taken]

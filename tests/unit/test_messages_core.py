@@ -171,3 +171,17 @@ def test_a_non_finite_aggregate_is_rolled_back_and_counted():
     np.testing.assert_allclose(core.state.prototypes.vectors[0], [1.0, 1.0])  # ... from the previous state
     assert np.isfinite(core.algorithm.bank.vectors).all()
     assert core.read_stats()["rolled_back"] == 1
+
+
+def test_sync_round_is_aggregated_in_client_order_whatever_the_arrival_order():
+    results = []
+    for order in ((0, 1, 2), (2, 0, 1)):
+        core = _core(mode="sync")
+        seen = []
+        real = core.algorithm.aggregate
+        core.algorithm.aggregate = lambda u, w, v, seen=seen, real=real: (seen.extend(x.client_id for x in u), real(u, w, v))[1]
+        for c in order:
+            core.submit(upd(c, 0, float(c)))
+        core.step()
+        results.append(seen)
+    assert results[0] == results[1] == [0, 1, 2]
