@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from doubles import FixedModel, pset
 
 from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
 from rayfed_proto.algorithms.common import (
@@ -20,26 +21,6 @@ from rayfed_proto.algorithms.common import (
 from rayfed_proto.algorithms.fedavg import average_weights
 from rayfed_proto.algorithms.fedtgp import adaptive_margin, margin_contrastive_loss
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
-
-
-class FixedModel(torch.nn.Module):
-    """features(x) = x, logits = x @ W: lets a test choose features and logits exactly."""
-
-    def __init__(self, dim=2, num_classes=2):
-        super().__init__()
-        self.head = torch.nn.Linear(dim, num_classes, bias=False)
-        torch.nn.init.zeros_(self.head.weight)
-
-    def features(self, x):
-        return x
-
-    def forward_features(self, x):
-        return x, self.head(x)
-
-
-def pset(ids, vecs, counts):
-    return PrototypeSet(np.array(ids, np.int64), np.array(vecs, np.float32), np.array(counts, np.int64))
-
 
 SPEC = FederationSpec(num_clients=4, num_classes=3, feature_dim=2, seed=0)
 
@@ -93,7 +74,7 @@ def test_alignment_loss_skips_classes_without_target():
 
 
 def test_local_prototypes_are_class_means_with_counts():
-    model = FixedModel()
+    model = FixedModel(num_classes=2)
     x = torch.tensor([[0.0, 0.0], [2.0, 2.0], [5.0, 1.0]])
     y = torch.tensor([1, 1, 2])
     ps = local_prototypes(model, x, y)
@@ -235,7 +216,7 @@ def test_fedavg_server_sync_is_exact_average_and_stale_buffer_moves_less():
 def test_fedavg_client_loads_global_weights_and_uploads_weights_only():
     algo = ALGORITHMS.get("fedavg")
     client = algo.Client(algo.Options(), SPEC, 0)
-    model = FixedModel()
+    model = FixedModel(num_classes=2)
     client.receive(GlobalState(version=3, weights={"head.weight": np.full((2, 2), 7.0, np.float32)}), model)
     assert torch.all(model.head.weight == 7.0)
     up = client.make_update(model, torch.zeros(4, 2), torch.tensor([0, 1, 0, 1]))

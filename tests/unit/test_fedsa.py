@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from doubles import FixedModel, pset
 
 from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
 from rayfed_proto.algorithms.base import TrainBatchIterator
@@ -18,7 +19,7 @@ from rayfed_proto.algorithms.fedsa import (
     mcl_loss,
     project_anchors,
 )
-from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+from rayfed_proto.messages import ClientUpdate, GlobalState
 
 ALGO = ALGORITHMS.get("fedsa")
 SPEC = FederationSpec(num_clients=4, num_classes=3, feature_dim=2, seed=0)
@@ -28,20 +29,6 @@ POINTS = [[0.0, 0.0], [3.0, 4.0], [0.0, 1.0]]
 PAIRWISE = (5 + 1 + math.sqrt(18)) / 3  # mean over the 3 pairs
 NEAREST = (1 + math.sqrt(18) + 1) / 3  # nearest other: 0 -> 2 (1), 1 -> 2 (sqrt 18), 2 -> 0 (1)
 
-
-class FixedModel(torch.nn.Module):
-    """features(x) = x, logits = x @ W: lets a test choose features and logits exactly."""
-
-    def __init__(self, dim=2, num_classes=3):
-        super().__init__()
-        self.head = torch.nn.Linear(dim, num_classes, bias=False)
-        torch.nn.init.zeros_(self.head.weight)
-
-    def features(self, x):
-        return x
-
-    def forward_features(self, x):
-        return x, self.head(x)
 
 
 class TwoPartModel(torch.nn.Module):
@@ -59,9 +46,6 @@ class TwoPartModel(torch.nn.Module):
         f = self.features(x)
         return f, self.head(f)
 
-
-def pset(ids, vecs, counts):
-    return PrototypeSet(np.array(ids, np.int64), np.array(vecs, np.float32), np.array(counts, np.int64))
 
 
 def anchors_state(version, vecs=POINTS):

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from doubles import FixedModel, pset
 
 from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
 from rayfed_proto.algorithms.base import ClientAlgorithm, PrototypeServer, TrainBatchIterator
@@ -21,27 +22,7 @@ from rayfed_proto.algorithms.fedsap import (
     strong_view,
     weak_view,
 )
-from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
-
-
-class FixedModel(torch.nn.Module):
-    """features(x) = x, logits = x @ W with W = 0: CE is ln(num_classes) whatever x is."""
-
-    def __init__(self, dim=2, num_classes=3):
-        super().__init__()
-        self.head = torch.nn.Linear(dim, num_classes, bias=False)
-        torch.nn.init.zeros_(self.head.weight)
-
-    def features(self, x):
-        return x
-
-    def forward_features(self, x):
-        return x, self.head(x)
-
-
-def pset(ids, vecs, counts):
-    return PrototypeSet(np.array(ids, np.int64), np.array(vecs, np.float32), np.array(counts, np.int64))
-
+from rayfed_proto.messages import ClientUpdate, GlobalState
 
 SPEC = FederationSpec(num_clients=2, num_classes=3, feature_dim=2, seed=0)
 ALGO = ALGORITHMS.get("fedsap")
