@@ -95,6 +95,29 @@ def guarded_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss:
     return True
 
 
+class StepTally:
+    """Applies local steps through :func:`guarded_step` and averages their loss terms over the
+    applied steps; skipped (non-finite) steps are counted as ``nonfinite_steps``."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.steps = self.skipped = 0
+
+    def step(self, model, optimizer, loss: torch.Tensor, terms: dict[str, float]) -> bool:
+        if not guarded_step(model, optimizer, loss):
+            self.skipped += 1
+            return False
+        self.steps += 1
+        for k, v in {"loss": loss.item(), **terms}.items():
+            self.totals[k] = self.totals.get(k, 0.0) + v
+        return True
+
+    def result(self) -> dict[str, float]:
+        out = {k: v / max(self.steps, 1) for k, v in self.totals.items()}
+        out["nonfinite_steps"] = float(self.skipped)
+        return out
+
+
 class ClientAlgorithm:
     """Client part; one instance per client, holding that client's algorithm state."""
 
@@ -119,23 +142,14 @@ class ClientAlgorithm:
     def local_train(self, model, optimizer, batches: TrainBatchIterator, epochs: int, device) -> dict[str, float]:
         """Default local update: ``epochs`` passes of SGD on :meth:`loss`; returns mean terms."""
         model.train()
-        totals: dict[str, float] = {}
-        steps = skipped = 0
+        tally = StepTally()
         for _ in range(epochs):
             for xb, yb in batches.epoch():
                 xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
                 optimizer.zero_grad(set_to_none=True)
                 loss, terms = self.loss(model, xb, yb)
-                if not guarded_step(model, optimizer, loss):
-                    skipped += 1
-                    continue
-                steps += 1
-                totals["loss"] = totals.get("loss", 0.0) + loss.item()
-                for k, v in terms.items():
-                    totals[k] = totals.get(k, 0.0) + v
-        out = {k: v / max(steps, 1) for k, v in totals.items()}
-        out["nonfinite_steps"] = float(skipped)
-        return out
+                tally.step(model, optimizer, loss, terms)
+        return tally.result()
 
     def make_update(self, model, x: torch.Tensor, y: torch.Tensor) -> ClientUpdate:
         """What to upload after training (default: local prototypes of the held classes)."""

@@ -76,8 +76,8 @@ from rayfed_proto.algorithms.base import (
     Options,
     PrototypeOptions,
     PrototypeServer,
+    StepTally,
     TrainBatchIterator,
-    guarded_step,
 )
 from rayfed_proto.algorithms.common import alignment_loss, bank_tensors
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
@@ -371,8 +371,8 @@ class FedSAPClient(ClientAlgorithm):
         order, cursor = None, 0
 
         model.train()
-        totals: dict[str, float] = {}
-        steps = skipped = candidates = accepted = correct = 0
+        tally = StepTally()
+        candidates = accepted = correct = 0
         for _ in range(epochs):
             for xb, yb in labelled.epoch():
                 xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
@@ -406,15 +406,8 @@ class FedSAPClient(ClientAlgorithm):
                     terms["cons"] = cons.item()
                 else:
                     terms["cons"] = 0.0
-                if not guarded_step(model, optimizer, loss):
-                    skipped += 1
-                    continue
-                steps += 1
-                totals["loss"] = totals.get("loss", 0.0) + loss.item()
-                for k, v in terms.items():
-                    totals[k] = totals.get(k, 0.0) + v
-        out = {k: v / max(steps, 1) for k, v in totals.items()}
-        out["nonfinite_steps"] = float(skipped)
+                tally.step(model, optimizer, loss, terms)
+        out = tally.result()
         if decisions:
             kept = sorted((i, p) for i, p in decisions.items() if p >= 0)
             self.accepted_idx = np.array([i for i, _ in kept], dtype=np.int64)
