@@ -64,6 +64,9 @@ class PartitionConfig(_Section):
     n_way: int = Field(5, ge=1, description="n-way k-shot: classes per client")
     k_shot: int = Field(20, ge=1, description="n-way k-shot: samples per class per client")
     k_shot_std: float = Field(0.0, ge=0, description="n-way k-shot: std of k across clients")
+    clients_per_domain: Optional[list[int]] = Field(
+        None, description="by_domain: clients given to each domain, in the dataset's domain order (None: spread evenly)")
+    within_domain: str = Field("iid", description="by_domain: partitioner used inside each domain (label skew composes)")
 
 
 class DataConfig(_Section):
@@ -77,12 +80,23 @@ class DataConfig(_Section):
     num_classes: int = Field(10, ge=2, description="synthetic: number of classes")
     channels: Literal[1, 3] = Field(1, description="synthetic: image channels")
     test_fraction: float = Field(0.25, gt=0, lt=1, description="per-client stratified test share")
+    domains: Optional[list[str]] = Field(None, description="multi-domain sets: the domains to use (None: all)")
+    long_tail_ratio: Optional[float] = Field(
+        None, ge=1, description="imbalance rho = n_max / n_min: keep an exponentially long-tailed subset (FedSC Table 2)")
+    global_test_fraction: Optional[float] = Field(
+        None, ge=0, lt=1, description="share held out (stratified by domain and class) as the global test set; "
+        "None: the algorithm's default (methods with a global model use one)")
+    public_size: Optional[int] = Field(
+        None, ge=0, description="samples held out as the public unlabelled proxy set; None: the algorithm's default")
     partition: PartitionConfig = PartitionConfig()
 
 
 class ModelConfig(_Section):
     group: str = "small_hetero"
     feature_dim: int = Field(512, ge=2)
+    projector: Literal["linear", "mlp"] = Field(
+        "linear", description="extractor -> feature_dim: one Linear, or Linear-ReLU-Linear (FedLSA's phi)")
+    normalize_features: bool = Field(False, description="L2-normalise features before the head (hyperspherical methods)")
 
 
 class TrainingConfig(_Section):
@@ -282,6 +296,7 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
     for item in overrides or []:
         key, value = parse_override(item)
         _set_dotted(raw, key, value)
+    _apply_algorithm_defaults(raw)
     try:
         cfg = ExperimentConfig(**raw)
     except ValidationError as err:
@@ -297,6 +312,26 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
     # config.yaml and `validate --show` hold every value the run uses (typed, not as written).
     cfg.algorithm = AlgorithmConfig(name=cfg.algorithm.name, **cfg.algorithm_options().model_dump(mode="json"))
     return cfg
+
+
+def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
+    """Fill the chosen algorithm's ``config_defaults`` (dotted keys outside ``algorithm.``, e.g.
+    ``model.normalize_features`` for FedLSA) wherever the user left the key unset, so a method's
+    requirements are on by default yet stay overridable; unset ``Optional`` data holdouts fall
+    back to 0 here."""
+    from rayfed_proto.algorithms import ALGORITHMS
+
+    algo = raw.get("algorithm")
+    name = algo.get("name", AlgorithmConfig().name) if isinstance(algo, dict) else AlgorithmConfig().name
+    defaults: dict[str, Any] = {"data.global_test_fraction": 0.0, "data.public_size": 0}
+    if isinstance(name, str) and name in ALGORITHMS:
+        defaults.update(ALGORITHMS.get(name).config_defaults)
+    for dotted, value in defaults.items():
+        if _dig(raw, tuple(dotted.split("."))) is None:
+            try:
+                _set_dotted(raw, dotted, copy.deepcopy(value))
+            except ConfigError:
+                pass  # a section given as a non-mapping: validation reports it
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -88,6 +88,7 @@ class UpdateSchema:
     num_classes: int
     feature_dim: int
     weight_shapes: Optional[dict[str, tuple[int, ...]]] = None  # set for weight-exchanging methods
+    extras_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # required extras, if any
 
 
 def _finite(a: np.ndarray) -> bool:
@@ -135,6 +136,12 @@ def validate_update(update: object, schema: UpdateSchema, current_version: int) 
         for k, v in update.weights.items():
             if not _finite(v):
                 return f"non-finite values (NaN or inf) in weight {k!r}"
+    if schema.extras_shapes:
+        if set(update.extras) != set(schema.extras_shapes):
+            return f"extras {sorted(update.extras)} differ from the expected {sorted(schema.extras_shapes)}"
+        for k, shape in schema.extras_shapes.items():
+            if tuple(np.shape(update.extras[k])) != tuple(shape):
+                return f"extra {k!r} has shape {tuple(np.shape(update.extras[k]))}, expected {tuple(shape)}"
     for k, v in update.extras.items():
         if not _finite(v):
             return f"non-finite values (NaN or inf) in extra {k!r}"

@@ -54,6 +54,14 @@ class FederationSpec:
     # Builds a fresh model with the (homogeneous) client architecture; used by methods whose
     # server holds a global model (FedAvg). None for heterogeneous groups.
     build_model: Optional[Callable[[], torch.nn.Module]] = None
+    in_channels: int = 1
+    image_size: int = 32
+    # Builds an untrained ``ProtoModel`` of any registered architecture for this dataset's
+    # images, ``build_arch(arch, feature_dim)`` (a server-side model, FedProtoKD). Set on the server.
+    build_arch: Optional[Callable[[str, int], torch.nn.Module]] = None
+    # The public unlabelled proxy set (normalised images, no labels), held out before
+    # partitioning, the same on every client and on the server; None when data.public_size is 0.
+    public_x: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -191,6 +199,16 @@ class ServerAlgorithm:
         """The bank whose margin is tracked (None if the method has none)."""
         return None
 
+    def extras_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Shapes of the ``extras`` a client must upload (e.g. logits on the public set); an
+        update whose extras differ is refused at the border. Empty: extras are not checked."""
+        return {}
+
+    def global_model(self) -> Optional[torch.nn.Module]:
+        """The model the server holds (FedAvg's average, FedProtoKD's server model), ready for
+        inference; the runtime evaluates it on the global test set (per domain). None: none."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -199,13 +217,16 @@ class ServerAlgorithm:
 
 
 class Algorithm:
-    """A registered method: options, client part, server part and two capability flags."""
+    """A registered method: options, client part, server part, a capability flag and config defaults."""
 
     Options: ClassVar[type[Options]] = Options
     Client: ClassVar[type[ClientAlgorithm]] = ClientAlgorithm
     Server: ClassVar[type[ServerAlgorithm]] = ServerAlgorithm
     # Methods that average weights need one architecture for every client (config checks it).
     requires_homogeneous_models: ClassVar[bool] = False
+    # Config values outside ``algorithm.*`` this method wants unless the user sets them
+    # (dotted keys, e.g. {"model.normalize_features": True, "data.public_size": 2500}).
+    config_defaults: ClassVar[dict[str, Any]] = {}
 
 
 # ----------------------------------------------------------------------------- prototype methods

@@ -64,6 +64,7 @@ class FedAvgServer(ServerAlgorithm):
             raise ValueError("FedAvg needs a homogeneous model group (FederationSpec.build_model is None)")
         torch.manual_seed(spec.seed)
         self.global_weights = as_numpy_state(spec.build_model())
+        self._model: torch.nn.Module | None = None  # built on first global_model() call
 
     def weight_shapes(self):
         return {k: tuple(v.shape) for k, v in self.global_weights.items()}
@@ -84,6 +85,12 @@ class FedAvgServer(ServerAlgorithm):
     def broadcast(self, version: int) -> GlobalState:
         return GlobalState(version=version, weights=self.global_weights)
 
+    def global_model(self) -> torch.nn.Module:
+        if self._model is None:
+            self._model = self.spec.build_model().to(self.device)
+        load_numpy_state(self._model, self.global_weights)
+        return self._model.eval()
+
     def state_dict(self) -> dict[str, Any]:
         return {"global_weights": {k: v.copy() for k, v in self.global_weights.items()}}
 
@@ -97,3 +104,4 @@ class FedAvg(Algorithm):
     Client = FedAvgClient
     Server = FedAvgServer
     requires_homogeneous_models = True
+    config_defaults = {"data.global_test_fraction": 0.2}

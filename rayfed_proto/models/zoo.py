@@ -44,19 +44,29 @@ class ProtoModel(nn.Module):
     training batch of a single sample raises; drop such trailing batches.
     """
 
-    def __init__(self, arch: str, backbone: nn.Module, backbone_dim: int, feature_dim: int, num_classes: int):
+    def __init__(self, arch: str, backbone: nn.Module, backbone_dim: int, feature_dim: int, num_classes: int,
+                 projector: str = "linear", normalize: bool = False):
         super().__init__()
         self.arch = arch
         self.backbone_dim = backbone_dim
         self.feature_dim = feature_dim
         self.num_classes = num_classes
+        self.normalize = normalize
         self.backbone = backbone
-        self.projection = nn.Linear(backbone_dim, feature_dim)
+        if projector == "linear":
+            self.projection: nn.Module = nn.Linear(backbone_dim, feature_dim)
+        elif projector == "mlp":  # FedLSA's 2-layer projector phi
+            self.projection = nn.Sequential(nn.Linear(backbone_dim, feature_dim), nn.ReLU(inplace=True),
+                                            nn.Linear(feature_dim, feature_dim))
+        else:
+            raise ValueError(f"projector must be 'linear' or 'mlp', got {projector!r}")
         self.head = nn.Linear(feature_dim, num_classes)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, feature_dim) projected features: what prototypes are made of."""
-        return self.projection(self.backbone(x))
+        """(B, feature_dim) projected features: what prototypes are made of (unit length when
+        ``normalize``: the hypersphere embedding h = phi(z) / |phi(z)| of FedLSA)."""
+        f = self.projection(self.backbone(x))
+        return torch.nn.functional.normalize(f, dim=1) if self.normalize else f
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -67,7 +77,8 @@ class ProtoModel(nn.Module):
         return f, self.head(f)
 
     def extra_repr(self) -> str:
-        return f"arch={self.arch!r}, backbone_dim={self.backbone_dim}, feature_dim={self.feature_dim}"
+        return (f"arch={self.arch!r}, backbone_dim={self.backbone_dim}, feature_dim={self.feature_dim}"
+                + (", normalize=True" if self.normalize else ""))
 
 
 def _output_dim(arch: str, backbone: nn.Module, in_channels: int, image_size: int) -> int:
@@ -95,10 +106,11 @@ def _architecture(name: str, help: str) -> Callable[[BackboneFactory], BackboneF
     """Register a backbone factory under ``name`` as a ``ProtoModel`` builder."""
 
     def decorator(make_backbone: BackboneFactory) -> BackboneFactory:
-        def builder(in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512) -> ProtoModel:
+        def builder(in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
+                    projector: str = "linear", normalize: bool = False) -> ProtoModel:
             backbone = make_backbone(in_channels, image_size)
             dim = _output_dim(name, backbone, in_channels, image_size)
-            return ProtoModel(name, backbone, dim, feature_dim, num_classes)
+            return ProtoModel(name, backbone, dim, feature_dim, num_classes, projector, normalize)
 
         builder.__name__ = builder.__qualname__ = f"build_{name}"
         builder.__doc__ = help
@@ -271,7 +283,8 @@ MODEL_GROUPS.add(
 # --- public entry points -------------------------------------------------------------------------
 
 
-def build_model(arch: str, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512) -> ProtoModel:
+def build_model(arch: str, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
+                projector: str = "linear", normalize: bool = False) -> ProtoModel:
     """An untrained ``arch`` for ``in_channels`` x ``image_size`` x ``image_size`` images.
 
     Raises ``UnknownNameError`` (listing the allowed names) for an unregistered ``arch`` and
@@ -282,7 +295,7 @@ def build_model(arch: str, in_channels: int, image_size: int, num_classes: int, 
                        ("num_classes", num_classes), ("feature_dim", feature_dim)):
         if value < 1:
             raise ValueError(f"{key} must be positive, got {value}")
-    return builder(in_channels, image_size, num_classes, feature_dim)
+    return builder(in_channels, image_size, num_classes, feature_dim, projector, normalize)
 
 
 def arch_for_client(group: str, client_id: int) -> str:
@@ -294,7 +307,9 @@ def arch_for_client(group: str, client_id: int) -> str:
 
 
 def build_client_model(
-    group: str, client_id: int, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512
+    group: str, client_id: int, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
+    projector: str = "linear", normalize: bool = False,
 ) -> ProtoModel:
     """The untrained model of client ``client_id`` in ``group``."""
-    return build_model(arch_for_client(group, client_id), in_channels, image_size, num_classes, feature_dim)
+    return build_model(arch_for_client(group, client_id), in_channels, image_size, num_classes, feature_dim,
+                       projector, normalize)

@@ -32,11 +32,16 @@ def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, i
     """The spec both parts share; ``build_model`` only for single-architecture groups."""
     archs = MODEL_GROUPS.get(cfg.model.group)
     homogeneous = group_is_homogeneous(cfg.model.group, cfg.federation.num_clients)
+    m = cfg.model
+
+    def build_arch(arch: str, feature_dim: int = m.feature_dim) -> torch.nn.Module:
+        return build_model(arch, in_channels, image_size, num_classes, feature_dim, m.projector, m.normalize_features)
+
     return FederationSpec(
-        num_clients=cfg.federation.num_clients, num_classes=num_classes, feature_dim=cfg.model.feature_dim,
+        num_clients=cfg.federation.num_clients, num_classes=num_classes, feature_dim=m.feature_dim,
         seed=cfg.seed, staleness_exponent=cfg.federation.staleness_exponent,
-        build_model=(lambda: build_model(archs[0], in_channels, image_size, num_classes, cfg.model.feature_dim))
-        if homogeneous else None,
+        build_model=(lambda: build_arch(archs[0])) if homogeneous else None,
+        in_channels=in_channels, image_size=image_size, build_arch=build_arch,
     )
 
 
@@ -57,11 +62,12 @@ class ClientRunner:
         self.cfg, self.client_id, self.device = cfg, split.client_id, device
         torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # distinct, reproducible initialisation
         self.model = build_client_model(cfg.model.group, split.client_id, dataset.channels, dataset.image_size,
-                                        dataset.num_classes, cfg.model.feature_dim).to(device)
+                                        dataset.num_classes, cfg.model.feature_dim, cfg.model.projector,
+                                        cfg.model.normalize_features).to(device)
         self.optimizer = make_optimizer(cfg, self.model)
         algo = ALGORITHMS.get(cfg.algorithm.name)
         spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size)
-        spec.build_model = None  # clients never need the server's model factory
+        spec.build_model = spec.build_arch = None  # clients never need the server's model factories
         self.algorithm = algo.Client(cfg.algorithm_options(), spec, split.client_id)
         self.train_x, self.train_y = dataset.tensors(split.train_idx)
         self.test_x, self.test_y = dataset.tensors(split.test_idx)
@@ -174,7 +180,8 @@ class ServerCore:
         self.max_version = cfg.federation.rounds
         spec = federation_spec(cfg, num_classes, in_channels, image_size)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
-        self.schema = UpdateSchema(spec.num_clients, num_classes, spec.feature_dim, self.algorithm.weight_shapes())
+        self.schema = UpdateSchema(spec.num_clients, num_classes, spec.feature_dim, self.algorithm.weight_shapes(),
+                                   self.algorithm.extras_shapes())
         self.cond = threading.Condition()  # guards buffer, counters, version and the published state
         self.version = 0
         self.buffer: list[tuple[ClientUpdate, float]] = []
