@@ -162,6 +162,7 @@ class TrackingConfig(_Section):
     )
     experiment_name: str = "rayfed_proto"
     run_name: Optional[str] = None
+    parent_run_id: Optional[str] = Field(None, description="nest this run under an MLflow parent run (a Tune sweep sets it)")
     output_dir: str = Field("runs", description="local folder for artifacts before upload")
 
 
