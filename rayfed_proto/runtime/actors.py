@@ -20,7 +20,7 @@ import torch
 from rayfed_proto.config import ExperimentConfig, build_config
 from rayfed_proto.data import ClientSplit, load_dataset
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime.core import ClientRunner, ServerCore
+from rayfed_proto.runtime.core import ClientRunner, EvalSet, ServerCore
 
 
 def pick_device() -> torch.device:
@@ -55,13 +55,15 @@ def _pss_mib() -> float:
 
 @ray.remote
 class ClientActor:
-    def __init__(self, cfg_dict: dict, splits: list[ClientSplit], torch_threads: int):
+    def __init__(self, cfg_dict: dict, splits: list[ClientSplit], torch_threads: int, public_idx=None):
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         cfg: ExperimentConfig = build_config(cfg_dict)
         self.device = pick_device()
         dataset = load_dataset(cfg.data, cfg.seed)
-        self.runners = {s.client_id: ClientRunner(cfg, s, dataset, self.device) for s in splits}
+        # the public proxy set: images only (labels dropped), one tensor shared by this actor's clients
+        public_x = dataset.tensors(public_idx)[0] if public_idx is not None and len(public_idx) else None
+        self.runners = {s.client_id: ClientRunner(cfg, s, dataset, self.device, public_x) for s in splits}
         del dataset  # keep only the shards
 
     def train(self, client_id: int, state: GlobalState):
@@ -81,13 +83,23 @@ class ServerActor:
     intake (``submit``) never queues behind server training; the driver learns of new versions
     through ``wait_versions``. In sync mode the driver calls ``step`` when a round is complete."""
 
-    def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, buffer_size, torch_threads: int):
+    def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, buffer_size, torch_threads: int,
+                 global_test_idx=None, public_idx=None):
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         self.device = pick_device()
         background = buffer_size is not None
-        self.core = ServerCore(build_config(cfg_dict), num_classes, in_channels, image_size, self.device, buffer_size,
-                               background=background)
+        cfg = build_config(cfg_dict)
+        global_test = public_x = None
+        if (global_test_idx is not None and len(global_test_idx)) or (public_idx is not None and len(public_idx)):
+            dataset = load_dataset(cfg.data, cfg.seed)  # only what the server holds: global test and public set
+            if global_test_idx is not None:
+                global_test = EvalSet.from_dataset(dataset, global_test_idx)
+            if public_idx is not None and len(public_idx):
+                public_x = dataset.tensors(public_idx)[0]
+            del dataset
+        self.core = ServerCore(cfg, num_classes, in_channels, image_size, self.device, buffer_size,
+                               background=background, global_test=global_test, public_x=public_x)
         self._versions_cond = threading.Condition()
         self._new_versions: list[tuple[int, Any]] = []  # (version, state ref) not yet handed out
         self._stop = threading.Event()

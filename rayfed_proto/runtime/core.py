@@ -28,7 +28,52 @@ from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
 log = logging.getLogger("rayfed_proto")
 
 
-def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int) -> FederationSpec:
+@dataclass
+class EvalSet:
+    """A labelled evaluation set held by the server (the global test set), with the domain of
+    each sample when the dataset has domains."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    domains: Optional[np.ndarray] = None
+    domain_names: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dataset(cls, dataset: ArrayDataset, indices: np.ndarray) -> Optional[EvalSet]:
+        if len(indices) == 0:
+            return None
+        x, y = dataset.tensors(indices)
+        domains = getattr(dataset, "domains", None)
+        return cls(x, y, None if domains is None else np.asarray(domains)[np.asarray(indices, dtype=np.int64)],
+                   list(getattr(dataset, "domain_names", []) or []))
+
+
+@torch.no_grad()
+def evaluate_global_model(model: torch.nn.Module, data: EvalSet, device: torch.device, batch_size: int = 512) -> dict[str, float]:
+    """Accuracy of a server-held model on the global test set: ``global_acc`` over all samples and,
+    with domains, ``global_acc_<domain>`` each plus ``global_acc_domain_mean``, their unweighted
+    mean (the average FedLSA reports)."""
+    was_training = model.training
+    model.eval()
+    correct = torch.zeros(len(data.y), dtype=torch.bool)
+    for i in range(0, len(data.y), batch_size):
+        logits = model(data.x[i : i + batch_size].to(device))
+        correct[i : i + batch_size] = (logits.argmax(1).cpu() == data.y[i : i + batch_size])
+    model.train(was_training)
+    out = {"global_acc": int(correct.sum()) / len(correct)}
+    if data.domains is not None:
+        per_domain = []
+        for d in np.unique(data.domains):
+            mask = torch.from_numpy(data.domains == d)
+            name = data.domain_names[d] if d < len(data.domain_names) else str(d)
+            out[f"global_acc_{name}"] = int(correct[mask].sum()) / int(mask.sum())
+            per_domain.append(out[f"global_acc_{name}"])
+        out["global_acc_domain_mean"] = float(np.mean(per_domain))
+    return out
+
+
+def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
+                    public_x: Optional[torch.Tensor] = None) -> FederationSpec:
     """The spec both parts share; ``build_model`` only for single-architecture groups."""
     archs = MODEL_GROUPS.get(cfg.model.group)
     homogeneous = group_is_homogeneous(cfg.model.group, cfg.federation.num_clients)
@@ -41,7 +86,7 @@ def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, i
         num_clients=cfg.federation.num_clients, num_classes=num_classes, feature_dim=m.feature_dim,
         seed=cfg.seed, staleness_exponent=cfg.federation.staleness_exponent,
         build_model=(lambda: build_arch(archs[0])) if homogeneous else None,
-        in_channels=in_channels, image_size=image_size, build_arch=build_arch,
+        in_channels=in_channels, image_size=image_size, build_arch=build_arch, public_x=public_x,
     )
 
 
@@ -58,7 +103,8 @@ def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> torch.optim
 class ClientRunner:
     """One client: its model, optimizer, algorithm state and data shard (train/test tensors)."""
 
-    def __init__(self, cfg: ExperimentConfig, split: ClientSplit, dataset: ArrayDataset, device: torch.device):
+    def __init__(self, cfg: ExperimentConfig, split: ClientSplit, dataset: ArrayDataset, device: torch.device,
+                 public_x: Optional[torch.Tensor] = None):
         self.cfg, self.client_id, self.device = cfg, split.client_id, device
         torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # distinct, reproducible initialisation
         self.model = build_client_model(cfg.model.group, split.client_id, dataset.channels, dataset.image_size,
@@ -66,7 +112,7 @@ class ClientRunner:
                                         cfg.model.normalize_features).to(device)
         self.optimizer = make_optimizer(cfg, self.model)
         algo = ALGORITHMS.get(cfg.algorithm.name)
-        spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size)
+        spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size, public_x)
         spec.build_model = spec.build_arch = None  # clients never need the server's model factories
         self.algorithm = algo.Client(cfg.algorithm_options(), spec, split.client_id)
         self.train_x, self.train_y = dataset.tensors(split.train_idx)
@@ -172,13 +218,16 @@ class ServerCore:
     """
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
-                 device: torch.device, buffer_size: Optional[int], background: bool = False):
+                 device: torch.device, buffer_size: Optional[int], background: bool = False,
+                 global_test: Optional[EvalSet] = None, public_x: Optional[torch.Tensor] = None):
         self.cfg = cfg
+        self.device = device
+        self.global_test = global_test
         self.buffer_size = buffer_size
         self.background = background
         self.max_staleness = cfg.federation.max_staleness if cfg.federation.mode == "async" else math.inf
         self.max_version = cfg.federation.rounds
-        spec = federation_spec(cfg, num_classes, in_channels, image_size)
+        spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
         self.schema = UpdateSchema(spec.num_clients, num_classes, spec.feature_dim, self.algorithm.weight_shapes(),
                                    self.algorithm.extras_shapes())
@@ -189,6 +238,17 @@ class ServerCore:
         self.margins: dict[int, tuple[float, float]] = {}
         self.version_metrics: dict[int, dict[str, float]] = {}  # server-side metrics of each version
         self.state, self.margins[0] = self._broadcast(0)
+        self.version_metrics[0] = self._global_eval(0)
+
+    def _global_eval(self, version: int) -> dict[str, float]:
+        """Global-test-set accuracy of the server's model at an evaluated version (methods with a
+        global model and a run with data.global_test_fraction > 0); empty otherwise. Computed here,
+        right after the version is produced, so it is exactly that version's model."""
+        fed = self.cfg.federation
+        if self.global_test is None or not (version % fed.eval_every == 0 or version == fed.rounds):
+            return {}
+        model = self.algorithm.global_model()
+        return {} if model is None else evaluate_global_model(model, self.global_test, self.device)
 
     def _broadcast(self, version: int) -> tuple[GlobalState, tuple[float, float]]:
         state = self.algorithm.broadcast(version)
@@ -266,7 +326,8 @@ class ServerCore:
                 self.counters.rolled_back += 1
             log.warning("version %d produced a non-finite global state: rolled back, %d updates discarded",
                         new_version, len(updates))
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0  # server training time; the evaluation below is not part of it
+        metrics = {**metrics, **self._global_eval(new_version)}
         with self.cond:
             self.version, self.state = new_version, state
             self.margins[new_version] = margin
