@@ -166,6 +166,29 @@ class TrackingConfig(_Section):
     output_dir: str = Field("runs", description="local folder for artifacts before upload")
 
 
+class CheckpointConfig(_Section):
+    every: int = Field(10, ge=0, description="checkpoint every this many server versions (0: only on a clean stop)")
+    keep: int = Field(2, ge=1, description="complete checkpoints kept (older ones are deleted)")
+    dir: Optional[str] = Field(None, description="None: <run output folder>/checkpoints")
+
+
+class ReliabilityConfig(_Section):
+    max_client_failures: int = Field(
+        3, ge=0, description="a client whose actor died more than this many times is excluded from sampling")
+    max_server_failures: int = Field(3, ge=0, description="server actor deaths survived before the run fails")
+    drain_timeout_s: float = Field(
+        300.0, gt=0, description="on interrupt or checkpoint: how long running updates may take to finish")
+
+
+class FaultsConfig(_Section):
+    """Fault injection for tests and chaos drills; empty by default."""
+
+    corrupt_clients: list[int] = Field(default_factory=list, description="these clients upload garbage")
+    corrupt_kind: Literal["nan", "inf", "shape", "unknown_class", "future_version"] = "nan"
+    stop_at_version: Optional[int] = Field(
+        None, ge=1, description="behave as if interrupted (SIGINT) once this version exists")
+
+
 class AlgorithmConfig(BaseModel):
     """``name`` plus that algorithm's own options, validated against its Options model."""
 
@@ -185,6 +208,9 @@ class ExperimentConfig(_Section):
     federation: FederationConfig = FederationConfig()
     resources: ResourcesConfig = ResourcesConfig()
     tracking: TrackingConfig = TrackingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    reliability: ReliabilityConfig = ReliabilityConfig()
+    faults: FaultsConfig = FaultsConfig()
 
     # ------------------------------------------------------------------ derived
     def algorithm_options(self):
@@ -417,6 +443,10 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     if fed.eval_every > fed.rounds:
         issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
                                   allowed=f"at most federation.rounds ({fed.rounds})"))
+    bad_ids = [c for c in cfg.faults.corrupt_clients if not 0 <= c < fed.num_clients]
+    if bad_ids:
+        issues.append(ConfigIssue(key="faults.corrupt_clients", value=cfg.faults.corrupt_clients,
+                                  allowed=f"client ids in 0..{fed.num_clients - 1}"))
     res = cfg.resources
     if res.clients_per_actor > fed.num_clients:
         issues.append(ConfigIssue(key="resources.clients_per_actor", value=res.clients_per_actor,

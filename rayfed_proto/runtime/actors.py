@@ -20,7 +20,7 @@ import torch
 from rayfed_proto.config import ExperimentConfig, build_config
 from rayfed_proto.data import ClientSplit, load_dataset
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime.core import ClientRunner, EvalSet, ServerCore
+from rayfed_proto.runtime.core import ClientRunner, EvalSet, ServerCore, corrupt_update
 
 
 def pick_device() -> torch.device:
@@ -65,9 +65,26 @@ class ClientActor:
         public_x = dataset.tensors(public_idx)[0] if public_idx is not None and len(public_idx) else None
         self.runners = {s.client_id: ClientRunner(cfg, s, dataset, self.device, public_x) for s in splits}
         del dataset  # keep only the shards
+        self.faults = cfg.faults
 
     def train(self, client_id: int, state: GlobalState):
-        return self.runners[client_id].train(state)
+        meta, update = self.runners[client_id].train(state)
+        if client_id in self.faults.corrupt_clients:  # fault injection (tests, chaos drills)
+            update = corrupt_update(update, self.faults.corrupt_kind)
+            meta["corrupted"] = True
+        return meta, update
+
+    def snapshot(self) -> tuple[dict[int, dict[str, Any]], torch.Tensor]:
+        """Every hosted client's state and this process's torch RNG (for checkpoints)."""
+        return {c: r.state_dict() for c, r in self.runners.items()}, torch.get_rng_state()
+
+    def restore(self, states: dict[int, dict[str, Any]], rng: torch.Tensor | None = None) -> list[int]:
+        """Load checkpointed client states (clients without one keep their fresh initialisation)."""
+        for c, st in states.items():
+            self.runners[c].load_state_dict(st)
+        if rng is not None:
+            torch.set_rng_state(rng)
+        return sorted(states)
 
     def evaluate(self, client_ids: list[int], state: GlobalState) -> list[dict[str, Any]]:
         return [self.runners[c].evaluate(state) for c in client_ids]
@@ -148,6 +165,17 @@ class ServerActor:
 
     def global_state(self) -> GlobalState:
         return self.core.state
+
+    def snapshot(self) -> dict[str, Any]:
+        """The server's whole state between two aggregations, plus its torch RNG (checkpoints)."""
+        return {"core": self.core.state_dict(), "torch_rng": torch.get_rng_state()}
+
+    def restore(self, snapshot: dict[str, Any]) -> int:
+        self.core.load_state_dict(snapshot["core"])
+        torch.set_rng_state(snapshot["torch_rng"])
+        with self._versions_cond:
+            self._new_versions = []
+        return self.core.version
 
     def stats(self, version: int | None = None) -> dict[str, Any]:
         return self.core.read_stats(version)

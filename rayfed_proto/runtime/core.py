@@ -169,6 +169,35 @@ class ClientRunner:
         self.last_loss = state["last_loss"]
 
 
+def corrupt_update(update: ClientUpdate, kind: str) -> ClientUpdate:
+    """A deliberately bad upload (fault injection): what a buggy or malicious client might send.
+    Every kind must be refused at the border (messages.validate_update)."""
+    import dataclasses
+
+    p = update.prototypes
+    if kind == "future_version":
+        return dataclasses.replace(update, base_version=update.base_version + 1_000)
+    if p is None or not len(p):  # weight-only methods: corrupt the first floating weight
+        weights = {k: v.copy() for k, v in (update.weights or {}).items()}
+        key = next((k for k, v in weights.items() if np.issubdtype(v.dtype, np.floating)), None)
+        if key is not None:
+            if kind == "shape":
+                weights[key] = weights[key].reshape(-1)[:-1]
+            else:
+                weights[key].flat[0] = np.nan if kind == "nan" else np.inf
+        return dataclasses.replace(update, weights=weights)
+    vectors, ids = p.vectors.copy(), p.class_ids.copy()
+    if kind == "nan":
+        vectors[0, 0] = np.nan
+    elif kind == "inf":
+        vectors[:] = np.inf
+    elif kind == "shape":
+        vectors = vectors[:, :-1]
+    elif kind == "unknown_class":
+        ids[0] = 10_000
+    return dataclasses.replace(update, prototypes=type(p)(ids, vectors, p.counts))
+
+
 def _state_is_finite(state: GlobalState) -> bool:
     arrays = list((state.weights or {}).values()) + list(state.extras.values())
     if state.prototypes is not None:
@@ -232,6 +261,7 @@ class ServerCore:
         self.schema = UpdateSchema(spec.num_clients, num_classes, spec.feature_dim, self.algorithm.weight_shapes(),
                                    self.algorithm.extras_shapes())
         self.cond = threading.Condition()  # guards buffer, counters, version and the published state
+        self.step_lock = threading.Lock()  # held for a whole aggregation: snapshots see none half done
         self.version = 0
         self.buffer: list[tuple[ClientUpdate, float]] = []
         self.counters = ServerCounters()
@@ -300,6 +330,10 @@ class ServerCore:
         The buffer is taken under the lock; aggregation and server training run outside it, so
         submissions keep arriving (they are staleness-checked against the current version).
         """
+        with self.step_lock:
+            return self._step()
+
+    def _step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         with self.cond:
             # async: exactly K updates per version (FedBuff), the rest wait for the next one, so a
@@ -339,6 +373,12 @@ class ServerCore:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue from here (for checkpoints): plain dicts and arrays."""
+        import copy
+
+        with self.step_lock, self.cond:  # a deep copy: the caller may serialise it while training goes on
+            return copy.deepcopy(self._state_dict())
+
+    def _state_dict(self) -> dict[str, Any]:
         c = self.counters
         return {"version": self.version, "algorithm": self.algorithm.state_dict(),
                 "buffer": [(u, w) for u, w in self.buffer],
@@ -348,6 +388,10 @@ class ServerCore:
                 "version_metrics": {int(v): dict(m) for v, m in self.version_metrics.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self.step_lock, self.cond:
+            self._load_state_dict(state)
+
+    def _load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
         self.algorithm.load_state_dict(state["algorithm"])
         self.buffer = list(state["buffer"])

@@ -61,7 +61,9 @@ def test_unknown_keys_and_bad_literals_and_algorithm_options():
 
 def test_option_of_another_algorithm_says_which_one_owns_it():
     issues, _ = issues_of({"algorithm": {"name": "fedproto", "server_epochs": 5}})
-    assert "(it belongs to fedtgp)" in issues["algorithm.server_epochs"].allowed
+    allowed = issues["algorithm.server_epochs"].allowed
+    owners = allowed[allowed.index("(it belongs to ") + len("(it belongs to "):allowed.index(")")].split(", ")
+    assert "fedtgp" in owners and "fedproto" not in owners  # every method with that option, never the chosen one
 
 
 def test_unknown_dataset_partitioner_and_group_listed():
@@ -111,3 +113,17 @@ def test_algorithm_cross_field_rule_semi_supervised_phase_must_start():
     ok = build_config({"algorithm": {"name": "fedsap", "semi_supervised": {"supervised_versions": 20}},
                        "federation": {"rounds": 50, "eval_every": 5}})
     assert ok.algorithm_options().semi_supervised.supervised_versions == 20
+
+
+def test_algorithm_config_defaults_apply_only_where_the_user_left_the_key_unset():
+    # FedAvg wants a global test set (data.global_test_fraction 0.2) unless the user says otherwise
+    assert build_config({}, ["algorithm.name=fedavg", "model.group=HtFE1"]).data.global_test_fraction == 0.2
+    assert build_config({}, ["algorithm.name=fedavg", "model.group=HtFE1",
+                             "data.global_test_fraction=0.05"]).data.global_test_fraction == 0.05
+    assert build_config({}).data.global_test_fraction == 0.0  # fedtgp: no global model, no holdout
+    assert build_config({}).data.public_size == 0
+
+
+def test_corrupt_client_ids_must_exist():
+    issues, _ = issues_of({"federation": {"num_clients": 3}, "faults": {"corrupt_clients": [0, 5]}})
+    assert issues["faults.corrupt_clients"].allowed == "client ids in 0..2"
