@@ -1,0 +1,335 @@
+"""FedSC (Wang et al. KDD 2025): FedAvg plus relational and consistent prototypes
+(papers/fedsc.md).
+
+Clients upload their weights and their local prototypes c_k^j with sample counts n_k^j (Eq. 3).
+Server, each version: FedAvg of the weights (``FedAvgServer``, with its asynchronous mixing),
+then, over the client prototypes in scope (below), for every class j and the clients K^j that
+hold it:
+    g^j   = staleness-weighted mean of c_k^j over K^j                                 (Eq. 5)
+    phi_k^j = cos(g^j, c_k^j)                                                        (Eq. 7)
+    N_k^j = the M clients q in K^j \\ {k} with the smallest |phi_k^j - phi_q^j|, plus k (Eq. 8)
+    r_k^j = mean of c_q^j over N_k^j (divided by its actual size, <= M + 1)           (Eq. 9)
+    d_k   = sqrt(1/2 sum_j (n_k^j / n_k - 1/C)^2)                                     (Eq. 10)
+    e_k^j = s_k sig(n_k / N - d_k / sum_i d_i) / sum_{i in K^j} s_i sig(...)          (Eq. 11)
+    o^j   = sum_{k in K^j} e_k^j r_k^j                                                (Eq. 12)
+s_k is the staleness weight of client k's upload (1 in sync mode). Eq. 11's normaliser runs
+over the clients holding class j (ALGORITHMS.md **Decision**); N and sum_i d_i over the
+clients in scope.
+
+Scope (``prototype_scope``; the paper is synchronous): ``latest`` (default) keeps every client's
+most recent upload with the version it was trained against and uses all of them, each with
+staleness weight (1 + t - tau)^(-a) at this version, as PrototypeServer's "latest"; ``buffer``
+uses only the updates aggregated in this version.
+
+Broadcast: the global weights, the consistent prototypes o^j as a ``PrototypeSet`` (classes that
+never had one are absent; a class not covered by this version's scope keeps its last o^j),
+which is also the nearest-prototype inference bank, and in ``extras`` every relational
+prototype: ``relational`` (N, C, D) float32 with ``relational_mask`` (N, C) bool (True where
+r_k^j exists) -- N x C x D x 4 bytes.
+
+Client (Eq. 13-16): L = CE + w_rpcl L_RPCL + w_cpdr L_CPDR (paper: both weights 1), z = f(x):
+    s(z, r) = cos(z, r) / U_r,   U_r = mean over the mini-batch of ||z_b - r||_2 (detached)  (Eq. 13)
+    L_RPCL  = -log sum_{r in R^y} e^{s(z, r)/tau} / sum_{r in R} e^{s(z, r)/tau}              (Eq. 14)
+    L_CPDR  = sum_q |z_q - o^y_q|                                                              (Eq. 15)
+R^y: every client's relational prototype of class y (positives); R: all of them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from rayfed_proto.algorithms import ALGORITHMS
+from rayfed_proto.algorithms.base import Algorithm
+from rayfed_proto.algorithms.common import PrototypeBank, bank_tensors, local_prototypes, safe_cdist, staleness_weight
+from rayfed_proto.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
+from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+
+
+class FedSCOptions(FedAvgOptions):
+    num_neighbors: int = Field(2, ge=0, description="M: neighbouring clients merged into a relational prototype (Eq. 8; paper 2)")
+    tau: float = Field(0.05, gt=0, description="temperature of L_RPCL (Eq. 14; paper 0.05)")
+    rpcl_weight: float = Field(1.0, ge=0, description="weight of L_RPCL (paper: 1, an unweighted sum); 0 turns it off")
+    cpdr_weight: float = Field(1.0, ge=0, description="weight of L_CPDR (paper: 1, an unweighted sum); 0 turns it off")
+    cpdr_reduction: Literal["sum", "mean"] = Field(
+        "sum", description="L_CPDR over the D dimensions: summed L1 (Eq. 15 as printed) or its mean (divided by D)")
+    prototype_scope: Literal["latest", "buffer"] = Field(
+        "latest", description="client prototypes used by the server: every client's latest upload (staleness-weighted) "
+        "or only this version's buffer")
+
+
+# ----------------------------------------------------------------------------- server equations
+
+
+def dense_uploads(sets: dict[int, PrototypeSet], num_clients: int, num_classes: int, dim: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """{client: upload} -> prototypes (N, C, D), held (N, C) bool, counts (N, C)."""
+    protos = np.zeros((num_clients, num_classes, dim), np.float64)
+    held = np.zeros((num_clients, num_classes), bool)
+    counts = np.zeros((num_clients, num_classes), np.float64)
+    for k, ps in sets.items():
+        ids = np.asarray(ps.class_ids, np.int64)
+        protos[k, ids] = np.asarray(ps.vectors, np.float64)
+        held[k, ids] = True
+        counts[k, ids] = np.asarray(ps.counts, np.float64)
+    return protos, held, counts
+
+
+def global_prototypes(protos: np.ndarray, held: np.ndarray, client_weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """g^j = sum_{k in K^j} s_k c_k^j / sum_{k in K^j} s_k, and the (C,) mask of classes held
+    by anyone (FedSC Eq. 5 is the s_k = 1 case: the plain mean over the clients holding j)."""
+    w = held * client_weights[:, None]  # (N, C)
+    tot = w.sum(0)
+    present = tot > 0
+    g = np.einsum("kc,kcd->cd", w, protos) / np.where(present, tot, 1.0)[:, None]  # FedSC Eq. 5
+    return g, present
+
+
+def cosine_to_global(protos: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """phi_k^j = cos(g^j, c_k^j) for every (k, j) (FedSC Eq. 7); 0 where a vector is zero."""
+    pn = protos / np.maximum(np.linalg.norm(protos, axis=2, keepdims=True), 1e-12)
+    gn = g / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12)
+    return np.einsum("kcd,cd->kc", pn, gn)  # FedSC Eq. 7
+
+
+def neighbor_sets(phi: np.ndarray, holders: np.ndarray, num_neighbors: int) -> dict[int, list[int]]:
+    """For one class: each holder k -> [k] + its ``num_neighbors`` holders q != k with the
+    smallest |phi_k - phi_q| (FedSC Eq. 8); fewer when fewer clients hold the class. Ties go to
+    the lower client id (a stable sort)."""
+    out = {}
+    for k in holders:
+        others = np.array([q for q in holders if q != k], np.int64)
+        gap = np.abs(phi[k] - phi[others])  # FedSC Eq. 8: |phi_k^j - phi_q^j|
+        chosen = others[np.argsort(gap, kind="stable")[:num_neighbors]]  # argsort^M, small to large
+        out[int(k)] = [int(k)] + [int(q) for q in chosen]  # ... or k_2 = k_1
+    return out
+
+
+def relational_prototypes(protos: np.ndarray, held: np.ndarray, g: np.ndarray, num_neighbors: int
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """r_k^j = mean of c_q^j over client k's neighbour set of class j (FedSC Eq. 7-9), for every
+    (k, j) with k holding j; (N, C, D) and the (N, C) mask. Divided by the actual size of the
+    set (Eq. 9 prints M + 1, which shrinks the vector when fewer than M others hold j)."""
+    phi = cosine_to_global(protos, g)
+    rel = np.zeros_like(protos)
+    for j in range(held.shape[1]):
+        holders = np.flatnonzero(held[:, j])
+        for k, group in neighbor_sets(phi[:, j], holders, num_neighbors).items():
+            rel[k, j] = protos[group, j].mean(0)  # FedSC Eq. 9: sum_q A^j(k, q) c_q^j / |N_k^j|
+    return rel, held.copy()
+
+
+def discrepancy(counts: np.ndarray) -> np.ndarray:
+    """d_k = sqrt(1/2 sum_j (n_k^j / n_k - 1/C)^2) per client row of ``counts`` (FedSC Eq. 10);
+    0 for a row without samples."""
+    n = counts.sum(1, keepdims=True)
+    b = counts / np.where(n > 0, n, 1.0)  # B_k^j = n_k^j / n_k
+    d = np.sqrt(0.5 * ((b - 1.0 / counts.shape[1]) ** 2).sum(1))  # FedSC Eq. 10
+    return np.where(n[:, 0] > 0, d, 0.0)
+
+
+def consistent_weights(counts: np.ndarray, held: np.ndarray, client_weights: np.ndarray) -> np.ndarray:
+    """e_k^j (N, C): s_k Sigmoid(n_k / N - d_k / sum_i d_i), normalised over the clients holding
+    class j (FedSC Eq. 11; ALGORITHMS.md Decision on the index). N and sum_i d_i run over the
+    clients in scope (those holding any class); with sum_i d_i = 0 the d term is 0."""
+    present = held.any(1)
+    n_k = counts.sum(1)
+    d = discrepancy(counts)
+    n_total = n_k[present].sum()
+    d_total = d[present].sum()
+    a = 1.0 / n_total if n_total > 0 else 0.0  # a = 1 / N
+    b = 1.0 / d_total if d_total > 0 else 0.0  # b = 1 / sum_i d_i
+    sig = 1.0 / (1.0 + np.exp(-(a * n_k - b * d)))  # FedSC Eq. 11: Sigmoid(a n_k - b d_k)
+    raw = held * (client_weights * sig)[:, None]
+    tot = raw.sum(0)
+    return raw / np.where(tot > 0, tot, 1.0)[None, :]  # FedSC Eq. 11: normalised over K^j
+
+
+def consistent_prototypes(rel: np.ndarray, held: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """o^j = sum_{k in K^j} e_k^j r_k^j (FedSC Eq. 12) and the (C,) mask of classes with one."""
+    o = np.einsum("kc,kcd->cd", e * held, rel)  # FedSC Eq. 12
+    return o, held.any(0)
+
+
+# ----------------------------------------------------------------------------- client equations
+
+
+def rpcl_loss(z: torch.Tensor, labels: torch.Tensor, rel: torch.Tensor, rel_labels: torch.Tensor, tau: float) -> torch.Tensor:
+    """L_RPCL (FedSC Eq. 13-14), mean over the samples whose class has a relational prototype.
+
+    ``rel`` (m, D) holds every client's relational prototypes, ``rel_labels`` (m,) their
+    classes. s(z, r) = cos(z, r) / U_r with U_r the mean distance of the mini-batch's features
+    to r, detached (a normaliser estimated on the batch). Positives: the prototypes of the
+    sample's class; the denominator sums over all of them (positives and negatives)."""
+    if rel.numel() == 0:
+        return z.sum() * 0.0
+    positive = labels.unsqueeze(1) == rel_labels.unsqueeze(0)  # (B, m): r in R^{y_i}
+    keep = positive.any(1)
+    if not bool(keep.any()):
+        return z.sum() * 0.0
+    u = safe_cdist(z.detach(), rel).mean(0).clamp_min(1e-12)  # FedSC Eq. 13: U = mean_q ||z_q - r||
+    cos = F.normalize(z, dim=1) @ F.normalize(rel, dim=1).T
+    logits = cos / u.unsqueeze(0) / tau  # FedSC Eq. 13-14: s(z, r) / tau
+    pos = torch.logsumexp(logits.masked_fill(~positive, float("-inf")), dim=1)  # log sum_{R^j} e^{s/tau}
+    every = torch.logsumexp(logits, dim=1)  # log (sum_{R^j} + sum_{R^{N_j}}) e^{s/tau}
+    return (every - pos)[keep].mean()  # FedSC Eq. 14
+
+
+def cpdr_loss(z: torch.Tensor, labels: torch.Tensor, consistent: torch.Tensor, mask: torch.Tensor,
+              reduction: Literal["sum", "mean"] = "sum") -> torch.Tensor:
+    """L_CPDR = sum_q |z_q - o^y_q| (FedSC Eq. 15), mean over samples whose class has o^y;
+    ``mean`` divides by D."""
+    if consistent.numel() == 0:
+        return z.sum() * 0.0
+    keep = mask[labels]
+    if not bool(keep.any()):
+        return z.sum() * 0.0
+    per_sample = (z[keep] - consistent[labels[keep]]).abs().sum(1)  # FedSC Eq. 15
+    if reduction == "mean":
+        per_sample = per_sample / z.shape[1]
+    return per_sample.mean()
+
+
+# ----------------------------------------------------------------------------- server and client
+
+
+class FedSCServer(FedAvgServer):
+    """FedAvg of the weights; relational and consistent prototypes from the client prototypes."""
+
+    options: FedSCOptions
+
+    def __init__(self, options: FedSCOptions, spec, device):
+        super().__init__(options, spec, device)
+        n, c, d = spec.num_clients, spec.num_classes, spec.feature_dim
+        self.latest: dict[int, tuple[PrototypeSet, int]] = {}  # client -> (upload, version trained against)
+        self.relational = np.zeros((n, c, d), np.float32)
+        self.relational_mask = np.zeros((n, c), bool)
+        self.bank = PrototypeBank(c, d)  # consistent prototypes o^j
+
+    def _scope(self, updates: list[ClientUpdate], weights: list[float], version: int
+               ) -> tuple[dict[int, PrototypeSet], dict[int, float]]:
+        """The client prototypes this version uses and each client's staleness weight."""
+        if self.options.prototype_scope == "latest":
+            for u in updates:
+                if u.prototypes is not None and len(u.prototypes):
+                    prev = self.latest.get(u.client_id)
+                    if prev is None or u.base_version >= prev[1]:
+                        self.latest[u.client_id] = (u.prototypes, u.base_version)
+            sets = {k: ps for k, (ps, _) in self.latest.items()}
+            ws = {k: staleness_weight(max(0, version - 1 - v), self.spec.staleness_exponent)
+                  for k, (_, v) in self.latest.items()}
+            return sets, ws
+        sets, ws, seen = {}, {}, {}
+        for u, w in zip(updates, weights, strict=False):
+            if u.prototypes is not None and len(u.prototypes) and u.base_version >= seen.get(u.client_id, -1):
+                sets[u.client_id], ws[u.client_id], seen[u.client_id] = u.prototypes, float(w), u.base_version
+        return sets, ws
+
+    def aggregate(self, updates, weights, version):
+        metrics = super().aggregate(updates, weights, version)  # FedAvg of the weights
+        sets, ws = self._scope(updates, weights, version)
+        if not sets:
+            return metrics
+        spec = self.spec
+        protos, held, counts = dense_uploads(sets, spec.num_clients, spec.num_classes, spec.feature_dim)
+        s = np.zeros(spec.num_clients)
+        for k, w in ws.items():
+            s[k] = w
+        g, _ = global_prototypes(protos, held, s)  # FedSC Eq. 5
+        rel, rel_mask = relational_prototypes(protos, held, g, self.options.num_neighbors)  # FedSC Eq. 7-9
+        e = consistent_weights(counts, held, s)  # FedSC Eq. 10-11
+        o, o_mask = consistent_prototypes(rel, held, e)  # FedSC Eq. 12
+        self.relational, self.relational_mask = rel.astype(np.float32), rel_mask
+        weight_per_class = counts.sum(0)
+        self.bank.update({int(c): (o[c].astype(np.float32), float(weight_per_class[c])) for c in np.flatnonzero(o_mask)}, version)
+        present = held.any(1)
+        metrics.update(prototype_clients=float(present.sum()), consistent_classes=float(o_mask.sum()),
+                       discrepancy_mean=float(discrepancy(counts)[present].mean()))
+        return metrics
+
+    def broadcast(self, version: int) -> GlobalState:
+        return GlobalState(version=version, weights=self.global_weights, prototypes=self.bank.as_set(),
+                           extras={"relational": self.relational.copy(), "relational_mask": self.relational_mask.copy()})
+
+    def guidance_bank(self) -> Optional[PrototypeSet]:
+        return self.bank.as_set()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        latest = {str(c): {"class_ids": np.asarray(ps.class_ids).copy(), "vectors": np.asarray(ps.vectors).copy(),
+                           "counts": np.asarray(ps.counts).copy(), "trained_on": v}
+                  for c, (ps, v) in self.latest.items()}
+        state.update(latest=latest, relational=self.relational.copy(), relational_mask=self.relational_mask.copy(),
+                     bank=self.bank.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.latest = {int(c): (PrototypeSet(np.array(e["class_ids"]), np.array(e["vectors"]), np.array(e["counts"])),
+                                int(e["trained_on"])) for c, e in state.get("latest", {}).items()}
+        self.relational = np.array(state["relational"], np.float32)
+        self.relational_mask = np.array(state["relational_mask"], bool)
+        self.bank.load_state_dict(state["bank"])
+
+
+class FedSCClient(FedAvgClient):
+    """Loads the global weights; CE + L_RPCL + L_CPDR; uploads weights and local prototypes."""
+
+    options: FedSCOptions
+
+    def __init__(self, options, spec, client_id):
+        super().__init__(options, spec, client_id)
+        self.relational: Optional[torch.Tensor] = None  # (m, D): every relational prototype broadcast
+        self.relational_labels: Optional[torch.Tensor] = None  # (m,): their classes
+
+    def receive(self, state: GlobalState, model) -> None:
+        super().receive(state, model)  # global weights; guidance = consistent prototypes
+        rel, mask = state.extras.get("relational"), state.extras.get("relational_mask")
+        if rel is None or mask is None or not np.asarray(mask).any():
+            self.relational = self.relational_labels = None
+            return
+        mask = np.asarray(mask, bool)
+        _, classes = np.nonzero(mask)
+        self.relational = torch.tensor(np.asarray(rel)[mask], dtype=torch.float32)  # copy: object-store arrays are read-only
+        self.relational_labels = torch.tensor(classes, dtype=torch.int64)
+
+    def loss(self, model, x, y):
+        z, logits = model.forward_features(x)
+        ce = F.cross_entropy(logits, y)  # FedSC Eq. 16
+        o = self.options
+        if self.relational is not None:
+            rel, rel_y = self.relational.to(z.device), self.relational_labels.to(z.device)
+        else:
+            rel, rel_y = z.new_zeros(0, z.shape[1]), torch.zeros(0, dtype=torch.int64, device=z.device)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and o.rpcl_weight > 0):
+            rpcl = rpcl_loss(z, y, rel, rel_y, o.tau)  # FedSC Eq. 13-14
+        consistent, mask = bank_tensors(self.guidance, self.spec.num_classes, z.device)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and o.cpdr_weight > 0):
+            cpdr = cpdr_loss(z, y, consistent, mask, o.cpdr_reduction)  # FedSC Eq. 15
+        total = ce  # FedSC: L = L_CE + L_RPCL + L_CPDR (weights 1 in the paper)
+        if o.rpcl_weight > 0:
+            total = total + o.rpcl_weight * rpcl
+        if o.cpdr_weight > 0:
+            total = total + o.cpdr_weight * cpdr
+        return total, {"ce": ce.item(), "rpcl": rpcl.item(), "cpdr": cpdr.item()}
+
+    def make_update(self, model, x, y) -> ClientUpdate:
+        update = super().make_update(model, x, y)  # weights (FedAvg path)
+        update.prototypes = local_prototypes(model, x, y)  # FedSC Eq. 3-4, with counts n_k^j
+        return update
+
+    def inference_bank(self) -> Optional[PrototypeSet]:
+        return self.guidance  # nearest consistent prototype
+
+
+@ALGORITHMS.register("fedsc", help="FedSC: FedAvg plus relational-prototype contrast and consistent-prototype regularisation")
+class FedSC(Algorithm):
+    Options = FedSCOptions
+    Client = FedSCClient
+    Server = FedSCServer
+    requires_homogeneous_models = True
+    config_defaults = {"data.global_test_fraction": 0.2}
