@@ -3,6 +3,7 @@
 ``DATASETS``: name -> loader ``(cfg: DataConfig, seed: int) -> ArrayDataset``.
 ``PARTITIONERS``: name -> ``(labels, num_clients, rng, cfg: PartitionConfig, dataset) -> list[np.ndarray]``
 (sample indices per client, before the per-client train/test split).
+``DOMAIN_NAMES``: multi-domain dataset name -> its domain names (what ``data.domains`` may list).
 """
 
 from rayfed_proto.registry import Registry
@@ -11,9 +12,12 @@ DATASETS: Registry = Registry("dataset")
 PARTITIONERS: Registry = Registry("partitioner")
 
 from rayfed_proto.data import datasets as _datasets  # noqa: E402,F401  (registers loaders)
+from rayfed_proto.data import domains as _domains  # noqa: E402,F401  (registers multi-domain loaders)
 from rayfed_proto.data import partition as _partition  # noqa: E402,F401  (registers partitioners)
 from rayfed_proto.data.base import ArrayDataset  # noqa: E402
-from rayfed_proto.data.datasets import load_dataset  # noqa: E402
+from rayfed_proto.data.datasets import DatasetNotFoundError, load_dataset  # noqa: E402
+from rayfed_proto.data.domains import DOMAIN_NAMES  # noqa: E402
 from rayfed_proto.data.partition import ClientSplit, Partition, make_partition  # noqa: E402
 
-__all__ = ["DATASETS", "PARTITIONERS", "ArrayDataset", "load_dataset", "make_partition", "Partition", "ClientSplit"]
+__all__ = ["DATASETS", "PARTITIONERS", "DOMAIN_NAMES", "ArrayDataset", "DatasetNotFoundError", "load_dataset",
+           "make_partition", "Partition", "ClientSplit"]

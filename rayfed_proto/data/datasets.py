@@ -11,6 +11,8 @@ of side ``cfg.image_size`` so that every client model sees one input shape, what
   over clients and each client's share is then split 75/25 (see ``partition.make_partition``).
 * ``npz`` and ``folder``: users' own data, optionally carrying a natural client partition
   (``client_ids``) and a fixed train/test split (``is_train``).
+* multi-domain sets (``digits_domains``, ``multidigits``, ``office_caltech10``, ``pacs``) are
+  in ``domains.py``; they fill ``ArrayDataset.domains``.
 
 torch, torchvision, PIL and scikit-learn are imported inside the functions that use them:
 ``rayfed_proto.data`` is imported by config validation and the CLI, which must stay quick.
@@ -39,7 +41,11 @@ class DatasetNotFoundError(FileNotFoundError):
 def load_dataset(cfg: DataConfig, seed: int = 0) -> ArrayDataset:
     """Load ``cfg.name`` through the registry (an unknown name raises ``UnknownNameError``)."""
     loader: Callable[[DataConfig, int], ArrayDataset] = DATASETS.get(cfg.name)
-    return loader(cfg, seed)
+    dataset = loader(cfg, seed)
+    if cfg.domains is not None and dataset.domains is None:
+        raise ValueError(f"data.domains = {cfg.domains} is set but dataset {cfg.name!r} has no domains; it applies to "
+                         f"the multi-domain sets (digits_domains, multidigits, office_caltech10, pacs)")
+    return dataset
 
 
 # --------------------------------------------------------------------------- resizing
@@ -148,27 +154,38 @@ _TORCHVISION_SETS = {
 }
 
 
-def _load_torchvision(name: str, cfg: DataConfig) -> ArrayDataset:
+def open_torchvision(name: str, class_name: str, root: Path, layout: str, download: bool,
+                     split_kwargs: list[dict]) -> list:
+    """Instantiate ``torchvision.datasets.<class_name>(root, **kw, download)`` for each split.
+
+    Missing or corrupt files, and failed downloads, become a :class:`DatasetNotFoundError`
+    whose message names ``root`` and the expected ``layout`` (relative to ``root``).
+    """
     import torchvision.datasets
 
-    spec = _TORCHVISION_SETS[name]
-    root = Path(cfg.root).expanduser().resolve()
-    cls = getattr(torchvision.datasets, spec.class_name)
+    cls = getattr(torchvision.datasets, class_name)
     fix = (f"run with --set data.download=true on a machine with network access, or place the files "
-           f"under {root} in torchvision's layout: {root}/{spec.layout}")
+           f"under {root} in torchvision's layout: {root}/{layout}")
     splits = []
-    for train in (True, False):
+    for kwargs in split_kwargs:
         try:
-            splits.append(cls(root=str(root), train=train, download=cfg.download))
+            splits.append(cls(root=str(root), download=download, **kwargs))
         # torchvision reports missing or corrupt files as RuntimeError; a failed download as
         # URLError/socket errors (OSError) or RuntimeError
         except (RuntimeError, OSError) as err:
-            if cfg.download:
+            if download:
                 raise DatasetNotFoundError(
                     f"{name}: download to {root} failed (no network access?): {err}. Fix: {fix}") from err
             raise DatasetNotFoundError(
                 f"{name}: dataset files not found (or incomplete) under {root} and data.download is false. "
                 f"Fix: {fix}") from err
+    return splits
+
+
+def _load_torchvision(name: str, cfg: DataConfig) -> ArrayDataset:
+    spec = _TORCHVISION_SETS[name]
+    root = Path(cfg.root).expanduser().resolve()
+    splits = open_torchvision(name, spec.class_name, root, spec.layout, cfg.download, [{"train": True}, {"train": False}])
     images, labels = [], []
     for ds in splits:
         data = np.asarray(ds.data)  # MNIST: torch uint8 (N, H, W); CIFAR: numpy uint8 (N, H, W, C)

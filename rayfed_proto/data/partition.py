@@ -6,14 +6,22 @@ A partitioner (registered in ``PARTITIONERS``) decides the samples of each clien
 :class:`Partition`, is plain sample indices into the dataset, so it can be saved as Parquet,
 logged as an artifact and replayed exactly, independent of how the images are stored.
 
-Everything is driven by one ``np.random.Generator`` seeded from the run's seed: the same
-dataset, config and seed always give the same partition.
+Before partitioning, :func:`make_partition` can hold samples out of the clients' pool: a
+public unlabelled proxy set (``public_idx``), a global test set stratified by (domain, class)
+(``global_test_idx``), and samples dropped to shape a long-tailed class profile.
+
+Everything is driven by ``np.random.Generator`` s seeded from the run's seed: the same
+dataset, config and seed always give the same partition. Each holdout has its own stream
+(``default_rng([seed, k])``), so with no holdout the partitioner and the per-client splits
+consume ``default_rng(seed)`` exactly as they did before holdouts existed.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -26,6 +34,13 @@ from rayfed_proto.data import PARTITIONERS
 from rayfed_proto.data.base import ArrayDataset
 
 _SPLITS = ("train", "test")
+# holdout rows of the Parquet file: client_id -1 and one of these splits
+HOLDOUT_CLIENT_ID = -1
+_HOLDOUTS = ("global_test", "public")
+
+
+def _empty_index() -> np.ndarray:
+    return np.empty(0, dtype=np.int64)
 
 
 @dataclass(eq=False)
@@ -48,8 +63,14 @@ class Partition:
     """Every client's train/test indices, plus what is needed to read and describe them.
 
     ``clients[i].client_id == i``. ``labels`` are the dataset's labels (indexed by sample);
-    only the labels of samples some client holds are meaningful after :meth:`load_parquet`
-    (the others read back as -1), which is why equality compares :meth:`to_table`.
+    only the labels of samples some client or holdout holds are meaningful after
+    :meth:`load_parquet` (the others read back as -1), which is why equality compares
+    :meth:`to_table`.
+
+    ``global_test_idx`` (the server's global test set) and ``public_idx`` (the public
+    unlabelled proxy set) are samples no client holds; both are empty unless requested.
+    For a multi-domain dataset, ``client_domains[i]`` is client i's majority domain (index
+    into ``domain_names``; ties go to the lower index, -1 for a client without samples).
     """
 
     clients: list[ClientSplit]
@@ -57,6 +78,16 @@ class Partition:
     partitioner: str
     seed: int
     labels: np.ndarray
+    global_test_idx: np.ndarray = field(default_factory=_empty_index)
+    public_idx: np.ndarray = field(default_factory=_empty_index)
+    client_domains: Optional[list[int]] = None
+    domain_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.global_test_idx = np.asarray(self.global_test_idx, dtype=np.int64)
+        self.public_idx = np.asarray(self.public_idx, dtype=np.int64)
+        if self.client_domains is not None:
+            self.client_domains = [int(d) for d in self.client_domains]
 
     def __len__(self) -> int:
         return len(self.clients)
@@ -66,6 +97,7 @@ class Partition:
             return NotImplemented
         return ((self.num_classes, self.partitioner, self.seed, len(self.labels))
                 == (other.num_classes, other.partitioner, other.seed, len(other.labels))
+                and (self.client_domains, self.domain_names) == (other.client_domains, other.domain_names)
                 and self.to_table().equals(other.to_table()))
 
     def _indices(self, client: ClientSplit, split: Optional[str]) -> np.ndarray:
@@ -85,13 +117,22 @@ class Partition:
                          for c in self.clients]).astype(np.int64)
 
     def to_table(self) -> pa.Table:
-        """One row per (client, sample): client_id int32, sample_index int64, split, label int64."""
+        """One row per (client, sample): client_id int32, sample_index int64, split, label int64.
+
+        Holdout samples follow the clients' rows, with client_id -1 and split ``global_test``
+        or ``public`` (their label is the dataset's, although the public set is used unlabelled).
+        """
         client_ids, indices, splits = [], [], []
-        for c in self.clients:
-            for split, idx in zip(_SPLITS, (c.train_idx, c.test_idx), strict=True):
-                client_ids.append(np.full(len(idx), c.client_id, dtype=np.int32))
-                indices.append(idx)
-                splits.extend([split] * len(idx))
+        groups = [(c.client_id, split, idx) for c in self.clients
+                  for split, idx in zip(_SPLITS, (c.train_idx, c.test_idx), strict=True)]
+        groups += [(HOLDOUT_CLIENT_ID, split, idx)
+                   for split, idx in zip(_HOLDOUTS, (self.global_test_idx, self.public_idx), strict=True)]
+        for client_id, split, idx in groups:
+            if client_id == HOLDOUT_CLIENT_ID and len(idx) == 0:
+                continue
+            client_ids.append(np.full(len(idx), client_id, dtype=np.int32))
+            indices.append(idx)
+            splits.extend([split] * len(idx))
         index = np.concatenate(indices).astype(np.int64) if indices else np.empty(0, dtype=np.int64)
         return pa.table({
             "client_id": pa.array(np.concatenate(client_ids) if client_ids else [], type=pa.int32()),
@@ -103,6 +144,9 @@ class Partition:
     def save_parquet(self, path: str | Path) -> None:
         meta = {"num_classes": self.num_classes, "partitioner": self.partitioner, "seed": self.seed,
                 "num_samples": len(self.labels), "num_clients": len(self.clients)}
+        if self.client_domains is not None:
+            meta["client_domains"] = json.dumps(self.client_domains)
+            meta["domain_names"] = json.dumps(self.domain_names)
         table = self.to_table()
         table = table.replace_schema_metadata({f"rayfed_proto.{k}": str(v) for k, v in meta.items()})
         pq.write_table(table, str(path))
@@ -119,13 +163,18 @@ class Partition:
                              f"(missing metadata {', '.join(sorted(needed - set(meta)))})")
         client_id = table.column("client_id").to_numpy()
         index = table.column("sample_index").to_numpy().astype(np.int64)
-        is_train = np.asarray(table.column("split").to_pylist()) == "train"
+        split = np.asarray(table.column("split").to_pylist(), dtype=object)
         labels = np.full(int(meta["num_samples"]), -1, dtype=np.int64)
         labels[index] = table.column("label").to_numpy()
-        clients = [ClientSplit(i, index[(client_id == i) & is_train], index[(client_id == i) & ~is_train])
+        clients = [ClientSplit(i, index[(client_id == i) & (split == "train")], index[(client_id == i) & (split == "test")])
                    for i in range(int(meta["num_clients"]))]
+        holdout = client_id == HOLDOUT_CLIENT_ID
         return cls(clients=clients, num_classes=int(meta["num_classes"]), partitioner=meta["partitioner"],
-                   seed=int(meta["seed"]), labels=labels)
+                   seed=int(meta["seed"]), labels=labels,
+                   global_test_idx=index[holdout & (split == "global_test")],
+                   public_idx=index[holdout & (split == "public")],
+                   client_domains=json.loads(meta["client_domains"]) if "client_domains" in meta else None,
+                   domain_names=json.loads(meta["domain_names"]) if "domain_names" in meta else [])
 
 
 # --------------------------------------------------------------------------- partitioners
@@ -284,7 +333,175 @@ def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cfg:
     return [np.flatnonzero(dataset.client_ids == i) for i in ids]
 
 
+# --------------------------------------------------------------------------- domains
+
+
+def _view(dataset: ArrayDataset, idx: np.ndarray) -> ArrayDataset:
+    """The dataset's columns at ``idx``; the images are a zero-copy placeholder of the right
+    shape (partitioners read labels and columns, never pixels)."""
+    idx = np.asarray(idx, dtype=np.int64)
+    _, c, h, w = dataset.images.shape
+    images = np.broadcast_to(np.zeros((1, c, h, w), dtype=dataset.images.dtype), (len(idx), c, h, w))
+    return ArrayDataset(
+        name=dataset.name, images=images, labels=dataset.labels[idx], num_classes=dataset.num_classes,
+        class_names=dataset.class_names,
+        client_ids=None if dataset.client_ids is None else dataset.client_ids[idx],
+        is_train=None if dataset.is_train is None else dataset.is_train[idx],
+        domains=None if dataset.domains is None else dataset.domains[idx], domain_names=list(dataset.domain_names),
+        mean=dataset.mean, std=dataset.std,
+    )
+
+
+# partitioners that cannot run inside a domain: by_domain itself, and natural (it replays
+# the dataset's own clients, whose count is not the domain's)
+_NOT_WITHIN_DOMAIN = ("by_domain", "natural")
+
+
+def resolve_clients_per_domain(value: Optional[list[int]], num_clients: int, domain_names: list[str]) -> list[int]:
+    """Clients per domain (in ``domain_names`` order): ``value`` checked, or an even spread.
+
+    None gives every domain ``num_clients // D`` clients and one more to each of the first
+    ``num_clients % D`` domains.
+    """
+    key, d = "data.partition.clients_per_domain", len(domain_names)
+    if value is None:
+        if num_clients < d:
+            raise ValueError(f"{key} = None spreads federation.num_clients = {num_clients} evenly over the {d} domains "
+                             f"{domain_names}, which needs at least one client per domain; raise "
+                             f"federation.num_clients to >= {d} or select fewer domains with data.domains")
+        base, extra = divmod(num_clients, d)
+        return [base + (i < extra) for i in range(d)]
+    counts = list(value)
+    if len(counts) != d:
+        raise ValueError(f"{key} = {counts} has {len(counts)} entries but the dataset has {d} domains {domain_names}: "
+                         f"give one client count per domain, in that order")
+    if any(int(k) != k or k < 1 for k in counts):
+        raise ValueError(f"{key} = {counts}: every count must be an integer >= 1 (each domain needs a client)")
+    if sum(counts) != num_clients:
+        raise ValueError(f"{key} = {counts} sums to {sum(counts)} but federation.num_clients = {num_clients}; "
+                         f"the counts must sum to num_clients")
+    return [int(k) for k in counts]
+
+
+@PARTITIONERS.register("by_domain", help="domain skew: clients_per_domain clients per domain, within_domain inside each")
+def by_domain(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cfg: PartitionConfig,
+              dataset: ArrayDataset) -> list[np.ndarray]:
+    """Domain skew (FedLSA): each client holds samples of one domain only.
+
+    Domain d gets ``clients_per_domain[d]`` clients (FedLSA's Digits: [1, 4, 2, 3] over mnist,
+    usps, svhn, synth); its samples are partitioned over them with the ``within_domain``
+    partitioner, so label skew (e.g. ``dirichlet`` with ``beta``) composes with domain skew.
+    Clients are numbered domain by domain: the first domain's clients come first.
+    """
+    if dataset.domains is None:
+        raise ValueError(f"data.partition.name = 'by_domain' needs a multi-domain dataset (a per-sample domains column), "
+                         f"and dataset {dataset.name!r} has none; use digits_domains, multidigits, office_caltech10 or pacs")
+    allowed = [n for n in PARTITIONERS.names() if n not in _NOT_WITHIN_DOMAIN]
+    if cfg.within_domain not in allowed:
+        raise ValueError(f"data.partition.within_domain = {cfg.within_domain!r} is not allowed; allowed: {', '.join(allowed)}")
+    within = PARTITIONERS.get(cfg.within_domain)
+    names = dataset.domain_names
+    counts = resolve_clients_per_domain(cfg.clients_per_domain, num_clients, names)
+    parts: list[np.ndarray] = []
+    for d, (name, k) in enumerate(zip(names, counts, strict=True)):
+        members = np.flatnonzero(dataset.domains == d)
+        if len(members) < k:
+            raise ValueError(f"by_domain: domain {name!r} has {len(members)} samples (after any holdouts), fewer than its "
+                             f"{k} clients (data.partition.clients_per_domain = {cfg.clients_per_domain}); give it "
+                             f"fewer clients")
+        sub = _view(dataset, members)
+        try:
+            got = within(sub.labels, k, rng, cfg, sub)
+        except ValueError as err:
+            raise ValueError(f"by_domain, inside domain {name!r} ({len(members)} samples, {k} clients, "
+                             f"data.partition.within_domain = {cfg.within_domain!r}): {err}") from err
+        parts.extend(members[np.asarray(g, dtype=np.int64)] for g in got)
+    return parts
+
+
+# --------------------------------------------------------------------------- holdouts
+
+
+def long_tail_counts(available: np.ndarray, ratio: float) -> np.ndarray:
+    """Per-class sample counts of an exponential long tail with imbalance ``ratio`` = n_max / n_min.
+
+    Class rank r (0 for ``available[0]``, the head) keeps ``n_r = floor(n_max * ratio^(-r/(C-1)))``
+    samples (at least 1), as in Cao et al. 2019 (LDAM, CIFAR-LT), which FedSC's Table 2
+    follows. ``n_max`` is the largest head size for which every class has enough samples:
+    ``min_r floor(available[r] * ratio^(r/(C-1)))``. E.g. available (8, 8, 8), ratio 4:
+    (8, 4, 2).
+    """
+    avail = np.asarray(available, dtype=np.int64)
+    c = len(avail)
+    if c <= 1:
+        return avail.copy()
+    eps = 1e-9  # 8 * 4^(-1/2) must floor to 4, not 3
+    power = np.arange(c) / (c - 1)
+    n_max = int(min(math.floor(a * ratio ** p + eps) for a, p in zip(avail, power, strict=True)))
+    counts = np.array([max(1, math.floor(n_max * ratio ** (-p) + eps)) for p in power], dtype=np.int64)
+    return np.minimum(counts, avail)
+
+
+def _stratified_holdout(idx: np.ndarray, strata: np.ndarray, fraction: float,
+                        rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held): per stratum, min(floor(n * fraction + 0.5), n - 1) samples are held out."""
+    kept, held = [_empty_index()], [_empty_index()]
+    for s in np.unique(strata):
+        members = rng.permutation(idx[strata == s])
+        n_held = min(int(np.floor(len(members) * fraction + 0.5)), len(members) - 1)
+        held.append(members[:n_held])
+        kept.append(members[n_held:])
+    return np.sort(np.concatenate(kept)), np.sort(np.concatenate(held))
+
+
+def _needs_min_samples(cfg: PartitionConfig) -> bool:
+    return cfg.name == "dirichlet" or (cfg.name == "by_domain" and cfg.within_domain == "dirichlet")
+
+
+def _holdouts(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int, seed: int, global_test_fraction: float,
+              public_size: int, long_tail_ratio: Optional[float]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pool, global_test_idx, public_idx): the samples left for the clients and the two holdouts."""
+    n = len(dataset)
+    if public_size < 0 or int(public_size) != public_size:
+        raise ValueError(f"data.public_size must be an integer >= 0, got {public_size!r}")
+    if not 0 <= global_test_fraction < 1:
+        raise ValueError(f"data.global_test_fraction must be in [0, 1), got {global_test_fraction!r}")
+    if long_tail_ratio is not None and not long_tail_ratio >= 1:
+        raise ValueError(f"data.long_tail_ratio must be >= 1 (n_max / n_min), got {long_tail_ratio!r}")
+    pool = np.arange(n, dtype=np.int64)
+    public = _empty_index()
+    if public_size:
+        if public_size >= n:
+            raise ValueError(f"data.public_size = {public_size} leaves no training samples: the dataset {dataset.name!r} "
+                             f"has {n} samples")
+        rng = np.random.default_rng([seed, 1])
+        public = np.sort(rng.choice(n, size=int(public_size), replace=False)).astype(np.int64)
+        pool = np.setdiff1d(pool, public)
+    global_test = _empty_index()
+    if global_test_fraction > 0:
+        rng = np.random.default_rng([seed, 2])
+        labels = dataset.labels[pool]
+        strata = labels if dataset.domains is None else dataset.domains[pool] * (int(labels.max()) + 1) + labels
+        pool, global_test = _stratified_holdout(pool, strata, global_test_fraction, rng)
+    if long_tail_ratio is not None:
+        rng = np.random.default_rng([seed, 3])
+        labels = dataset.labels[pool]
+        classes = np.unique(labels)  # ranked by class index: class 0 (if present) is the head
+        counts = long_tail_counts(np.array([(labels == c).sum() for c in classes]), float(long_tail_ratio))
+        kept = [rng.choice(pool[labels == c], size=int(k), replace=False) for c, k in zip(classes, counts, strict=True)]
+        pool = np.sort(np.concatenate(kept)).astype(np.int64) if kept else _empty_index()
+    per_client = cfg.min_samples if _needs_min_samples(cfg) else 1
+    if len(pool) < num_clients * per_client:
+        what = f"data.partition.min_samples = {per_client}" if per_client > 1 else "1 sample"
+        raise ValueError(f"the holdouts (data.public_size = {public_size}, data.global_test_fraction = "
+                         f"{global_test_fraction}, data.long_tail_ratio = {long_tail_ratio}) leave {len(pool)} of the "
+                         f"dataset's {n} samples for the clients, fewer than federation.num_clients = {num_clients} x "
+                         f"{what}; lower the holdouts, federation.num_clients or data.partition.min_samples")
+    return pool, global_test, public
+
+
 # --------------------------------------------------------------------------- partition
+
 
 
 def _stratified_split(idx: np.ndarray, labels: np.ndarray, test_fraction: float,
@@ -301,18 +518,47 @@ def _stratified_split(idx: np.ndarray, labels: np.ndarray, test_fraction: float,
             np.sort(np.concatenate(test)) if test else np.empty(0, dtype=np.int64))
 
 
-def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int, seed: int,
-                   test_fraction: float = 0.25) -> Partition:
-    """Assign samples to ``num_clients`` clients with ``cfg.name``, then split each client's share.
+def _client_domains(dataset: ArrayDataset, clients: list[ClientSplit]) -> Optional[list[int]]:
+    if dataset.domains is None:
+        return None
+    out = []
+    for c in clients:
+        idx = np.concatenate([c.train_idx, c.test_idx])
+        counts = np.bincount(dataset.domains[idx], minlength=dataset.num_domains)
+        out.append(int(counts.argmax()) if len(idx) else -1)
+    return out
 
-    The split is stratified by class with ``test_fraction`` per class, unless the dataset has an
-    ``is_train`` column, which then decides train vs test. Deterministic in ``seed``.
+
+def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int, seed: int,
+                   test_fraction: float = 0.25, global_test_fraction: float = 0.0, public_size: int = 0,
+                   long_tail_ratio: Optional[float] = None) -> Partition:
+    """Hold samples out, assign the rest to ``num_clients`` clients with ``cfg.name``, split each share.
+
+    In order: (a) ``public_size`` samples drawn uniformly at random become the public
+    unlabelled proxy set (``public_idx``); (b) ``global_test_fraction`` of the rest, stratified
+    by (domain, class), becomes the global test set (``global_test_idx``); (c) with
+    ``long_tail_ratio`` (rho) the remaining pool is subsampled per class to an exponential long
+    tail (see :func:`long_tail_counts`; the dropped samples are unused, the global test set is
+    untouched); (d) the partitioner deals the pool out. Each client's share is then split
+    stratified by class with ``test_fraction`` per class, unless the dataset has an
+    ``is_train`` column, which then decides train vs test. Deterministic in ``seed``; with the
+    defaults (no holdout) the result is exactly that of the partitioner on the whole dataset.
     """
     if num_clients < 1:
         raise ValueError(f"federation.num_clients must be >= 1, got {num_clients}")
     partitioner = PARTITIONERS.get(cfg.name)
+    holdouts = public_size != 0 or global_test_fraction != 0 or long_tail_ratio is not None
+    if holdouts:
+        pool, global_test, public = _holdouts(dataset, cfg, num_clients, seed, global_test_fraction, public_size,
+                                              long_tail_ratio)
+    else:
+        pool, global_test, public = None, _empty_index(), _empty_index()
     rng = np.random.default_rng(seed)
-    parts = partitioner(dataset.labels, num_clients, rng, cfg, dataset)
+    if pool is None:
+        parts = partitioner(dataset.labels, num_clients, rng, cfg, dataset)
+    else:
+        view = _view(dataset, pool)
+        parts = [pool[np.asarray(p, dtype=np.int64)] for p in partitioner(view.labels, num_clients, rng, cfg, view)]
     if len(parts) != num_clients:
         raise RuntimeError(f"partitioner {cfg.name!r} returned {len(parts)} clients, expected {num_clients}")
     clients = []
@@ -325,4 +571,6 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
             train, test = _stratified_split(idx, dataset.labels, test_fraction, rng)
         clients.append(ClientSplit(client_id, train, test))
     return Partition(clients=clients, num_classes=dataset.num_classes, partitioner=cfg.name, seed=seed,
-                     labels=dataset.labels)
+                     labels=dataset.labels, global_test_idx=global_test, public_idx=public,
+                     client_domains=_client_domains(dataset, clients),
+                     domain_names=list(dataset.domain_names) if dataset.domains is not None else [])

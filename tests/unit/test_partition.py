@@ -203,6 +203,6 @@ def test_partition_equality_sees_a_moved_sample():
 
 
 def test_unknown_partitioner_lists_the_known_ones(ds):
-    with pytest.raises(UnknownNameError, match="allowed: dirichlet, iid, natural, nway_kshot, pathological"):
+    with pytest.raises(UnknownNameError, match="allowed: by_domain, dirichlet, iid, natural, nway_kshot, pathological"):
         make_partition(ds, PartitionConfig(name="shards"), num_clients=2, seed=0)
-    assert set(PARTITIONERS.names()) == {"dirichlet", "iid", "natural", "nway_kshot", "pathological"}
+    assert set(PARTITIONERS.names()) == {"by_domain", "dirichlet", "iid", "natural", "nway_kshot", "pathological"}
