@@ -18,16 +18,49 @@ import torchvision.datasets
 from PIL import Image
 
 from rayfed_proto.config import DataConfig
-from rayfed_proto.data import DATASETS, load_dataset
+from rayfed_proto.data import DATASETS, ArrayDataset, load_dataset
 from rayfed_proto.data.datasets import DatasetNotFoundError, resize_images
 from rayfed_proto.registry import UnknownNameError
 
 
 def test_registry_and_unknown_name():
-    assert {"digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "npz", "folder"} <= set(DATASETS.names())
+    assert {"digits", "synthetic", "mnist", "fashion_mnist", "cifar10", "cifar100", "npz", "folder",
+            "digits_domains", "multidigits", "office_caltech10", "pacs"} <= set(DATASETS.names())
     assert all(DATASETS.describe(name) for name in DATASETS.names())
     with pytest.raises(UnknownNameError, match="unknown dataset 'imagenet'"):
         load_dataset(DataConfig(name="imagenet"))
+
+
+# --------------------------------------------------------------------------- ArrayDataset columns
+
+
+def tiny(n: int = 4, **columns) -> ArrayDataset:
+    return ArrayDataset(name="tiny", images=np.zeros((n, 1, 2, 2), dtype=np.uint8), labels=np.arange(n) % 2,
+                        num_classes=2, mean=(0.0,), std=(1.0,), **columns)
+
+
+def test_domains_column_defaults_and_subset():
+    ds = tiny(domains=np.array([0, 2, 1, 2], dtype=np.int32))
+    assert ds.domains.dtype == np.int64 and ds.domain_names == ["0", "1", "2"] and ds.num_domains == 3
+    named = tiny(domains=[1, 0, 1, 1], domain_names=["usps", "mnist"])
+    sub = named.subset(np.array([3, 1]))
+    assert sub.domains.tolist() == [1, 0] and sub.domain_names == ["usps", "mnist"]
+    assert sub.labels.tolist() == [1, 1]
+    assert tiny().domains is None and tiny().domain_names == [] and tiny().num_domains == 0
+    assert tiny().subset(np.array([0])).domains is None
+
+
+@pytest.mark.parametrize(("columns", "message"), [
+    ({"domains": [0, 1, 0]}, r"column domains has shape \(3,\) for 4 images"),
+    ({"domains": [0, -1, 0, 0]}, r"domains must be >= 0"),
+    ({"domains": [0.0, 1.0, 0.0, 0.0]}, r"domains must hold integer domain indices"),
+    ({"domains": [0, 1, 2, 0], "domain_names": ["a", "b"]}, r"domains goes up to 2 but there are only 2 domain_names"),
+    ({"domain_names": ["a", "b"]}, r"domain_names \['a', 'b'\] given without a domains column"),
+    ({"domains": [0, 1, 0, 1], "domain_names": ["a", "a"]}, r"domain_names must be distinct"),
+])
+def test_domains_column_validation(columns, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**columns)
 
 
 # --------------------------------------------------------------------------- built-in
