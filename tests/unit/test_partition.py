@@ -1,12 +1,18 @@
-"""Partitioners and the per-client split: coverage, disjointness, skew, determinism, errors."""
+"""Partitioners, holdouts and the per-client split: coverage, disjointness, skew, determinism, errors."""
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from rayfed_proto.config import PartitionConfig
 from rayfed_proto.data import PARTITIONERS, ArrayDataset, ClientSplit, Partition, make_partition
+from rayfed_proto.data.partition import long_tail_counts
 from rayfed_proto.registry import UnknownNameError
 
 
@@ -206,3 +212,207 @@ def test_unknown_partitioner_lists_the_known_ones(ds):
     with pytest.raises(UnknownNameError, match="allowed: by_domain, dirichlet, iid, natural, nway_kshot, pathological"):
         make_partition(ds, PartitionConfig(name="shards"), num_clients=2, seed=0)
     assert set(PARTITIONERS.names()) == {"by_domain", "dirichlet", "iid", "natural", "nway_kshot", "pathological"}
+
+
+# --------------------------------------------------------------------------- default path pinned
+
+
+def digest(p: Partition) -> str:
+    h = hashlib.sha256()
+    for c in p.clients:
+        h.update(c.train_idx.astype(np.int64).tobytes() + b"|" + c.test_idx.astype(np.int64).tobytes() + b"#")
+    return h.hexdigest()[:16]
+
+
+# Digests of partitions made by the code before holdouts and by_domain existed (commit
+# 666959c): calls with only the old arguments must keep giving exactly these partitions.
+PINNED = {"iid": "4919845111e5a842", "dirichlet": "aa25adadc13da3d2", "pathological": "1c805aa4e8d7cfce",
+          "nway_kshot": "567f5450154adfa5", "natural": "5bbbdb7c622feaec"}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_default_path_is_unchanged(ds, name):
+    cfg = PartitionConfig(name=name, min_samples=5, n_way=3, k_shot=10)
+    p = make_partition(ds, cfg, num_clients=8, seed=7)
+    assert digest(p) == PINNED[name]
+    explicit = make_partition(ds, cfg, num_clients=8, seed=7, test_fraction=0.25, global_test_fraction=0.0,
+                              public_size=0, long_tail_ratio=None)
+    assert explicit == p
+    assert len(p.global_test_idx) == 0 and len(p.public_idx) == 0 and p.client_domains is None
+    assert p.global_test_idx.dtype == np.int64 and p.public_idx.dtype == np.int64
+
+
+# --------------------------------------------------------------------------- by_domain
+
+
+def make_domain_ds(per_domain_class: np.ndarray, names=None) -> ArrayDataset:
+    """per_domain_class[d, c] samples of class c in domain d."""
+    labels, domains = [], []
+    for d, row in enumerate(per_domain_class):
+        for c, n in enumerate(row):
+            labels += [c] * int(n)
+            domains += [d] * int(n)
+    labels = np.array(labels)
+    return ArrayDataset(name="toydom", images=np.zeros((len(labels), 1, 2, 2), dtype=np.uint8), labels=labels,
+                        num_classes=per_domain_class.shape[1], domains=np.array(domains),
+                        domain_names=names or [f"d{i}" for i in range(len(per_domain_class))], mean=(0.0,), std=(1.0,))
+
+
+@pytest.fixture(scope="module")
+def dom() -> ArrayDataset:
+    """4 domains x 10 classes, 30 samples of each class in each domain (1200)."""
+    return make_domain_ds(np.full((4, 10), 30), names=["mnist", "usps", "svhn", "synth"])
+
+
+def test_by_domain_fedlsa_digits_split(dom):
+    cfg = PartitionConfig(name="by_domain", clients_per_domain=[1, 4, 2, 3], within_domain="iid")
+    p = make_partition(dom, cfg, num_clients=10, seed=0)
+    assert p.client_domains == [0, 1, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert p.domain_names == ["mnist", "usps", "svhn", "synth"]
+    for c, d in zip(p.clients, p.client_domains, strict=True):
+        assert (dom.domains[np.concatenate([c.train_idx, c.test_idx])] == d).all()  # one domain per client
+    assert np.array_equal(np.sort(all_indices(p)), np.arange(len(dom)))
+    # iid inside a domain: the domain's 300 samples dealt evenly (usps: 4 x 75)
+    assert p.sizes().tolist() == [300, 75, 75, 75, 75, 150, 150, 100, 100, 100]
+
+
+def test_by_domain_none_spreads_evenly_remainder_first(dom):
+    p = make_partition(dom, PartitionConfig(name="by_domain"), num_clients=7, seed=0)
+    assert p.client_domains == [0, 0, 1, 1, 2, 2, 3]
+    p = make_partition(dom, PartitionConfig(name="by_domain"), num_clients=4, seed=0)
+    assert p.client_domains == [0, 1, 2, 3]
+
+
+def test_by_domain_composes_with_dirichlet_label_skew(dom):
+    cfg = PartitionConfig(name="by_domain", clients_per_domain=[3, 3, 2, 2], within_domain="dirichlet",
+                          beta=0.1, min_samples=20)
+    p = make_partition(dom, cfg, num_clients=10, seed=1)
+    assert p.client_domains == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert p.sizes().min() >= 20
+    assert ((p.label_counts() == 0).sum(axis=1) > 0).mean() > 0.5  # label skew inside the domains
+    assert np.array_equal(np.sort(all_indices(p)), np.arange(len(dom)))
+    assert make_partition(dom, cfg, num_clients=10, seed=1) == p
+
+
+@pytest.mark.parametrize(("value", "num_clients", "message"), [
+    ([1, 4, 2], 7, r"clients_per_domain = \[1, 4, 2\] has 3 entries but the dataset has 4 domains \['mnist', 'usps'"),
+    ([1, 0, 2, 3], 6, r"clients_per_domain = \[1, 0, 2, 3\]: every count must be an integer >= 1"),
+    ([1, 4, 2, 3], 9, r"clients_per_domain = \[1, 4, 2, 3\] sums to 10 but federation\.num_clients = 9"),
+    (None, 3, r"clients_per_domain = None spreads federation\.num_clients = 3 evenly over the 4 domains"),
+])
+def test_by_domain_clients_per_domain_errors(dom, value, num_clients, message):
+    with pytest.raises(ValueError, match=r"data\.partition\." + message):
+        make_partition(dom, PartitionConfig(name="by_domain", clients_per_domain=value), num_clients=num_clients, seed=0)
+
+
+@pytest.mark.parametrize("within", ["natural", "by_domain", "shards"])
+def test_by_domain_within_domain_errors(dom, within):
+    with pytest.raises(ValueError, match=rf"data\.partition\.within_domain = '{within}' is not allowed; "
+                                         r"allowed: dirichlet, iid, nway_kshot, pathological"):
+        make_partition(dom, PartitionConfig(name="by_domain", within_domain=within), num_clients=4, seed=0)
+
+
+def test_by_domain_needs_domains_and_reports_inner_errors(ds, dom):
+    with pytest.raises(ValueError, match=r"'by_domain' needs a multi-domain dataset .* 'toy' has none"):
+        make_partition(ds, PartitionConfig(name="by_domain"), num_clients=4, seed=0)
+    cfg = PartitionConfig(name="by_domain", within_domain="pathological", classes_per_client=1)
+    with pytest.raises(ValueError, match=r"inside domain 'mnist' \(300 samples, 2 clients.*covers only 2 of 10 classes"):
+        make_partition(dom, cfg, num_clients=8, seed=0)
+
+
+# --------------------------------------------------------------------------- holdouts
+
+
+def test_long_tail_counts_by_hand():
+    assert long_tail_counts(np.array([8, 8, 8]), 4).tolist() == [8, 4, 2]  # 8 * 4^(-r/2)
+    assert long_tail_counts(np.array([5, 8, 8]), 4).tolist() == [5, 2, 1]  # n_max capped by the head
+    assert long_tail_counts(np.array([8, 8, 1]), 4).tolist() == [4, 2, 1]  # n_max = 1 * 4 by the tail
+    assert long_tail_counts(np.array([3, 7, 5]), 1).tolist() == [3, 3, 3]  # rho = 1: balanced
+    c = long_tail_counts(np.full(10, 100), 10)
+    assert c[0] == 100 and c[-1] == 10 and (np.diff(c) <= 0).all()
+    assert long_tail_counts(np.array([6]), 50).tolist() == [6]
+
+
+def test_long_tail_subsamples_the_pool_only():
+    toy = make_ds(np.repeat(np.arange(3), 8))  # 8 per class
+    p = make_partition(toy, PartitionConfig(name="iid"), num_clients=2, seed=0, long_tail_ratio=4)
+    assert p.label_counts().sum(axis=0).tolist() == [8, 4, 2]
+    # with a global test set first: 2 of 8 per class held out (balanced), the pool 6 per class -> 6, 3, 1
+    p = make_partition(toy, PartitionConfig(name="iid"), num_clients=2, seed=0, global_test_fraction=0.25,
+                       long_tail_ratio=4)
+    assert np.bincount(toy.labels[p.global_test_idx]).tolist() == [2, 2, 2]
+    assert p.label_counts().sum(axis=0).tolist() == [6, 3, 1]
+    assert len(np.intersect1d(all_indices(p), p.global_test_idx)) == 0
+
+
+def test_global_test_is_stratified_by_domain_and_class():
+    # (domain, class) counts 10, 5 / 4, 1 with fraction 0.2 -> round-half-up 2, 1 / 1, 0 (a singleton stays)
+    toy = make_domain_ds(np.array([[10, 5], [4, 1]]))
+    p = make_partition(toy, PartitionConfig(name="iid"), num_clients=2, seed=3, global_test_fraction=0.2)
+    held = p.global_test_idx
+    got = {(int(d), int(c)): int(((toy.domains[held] == d) & (toy.labels[held] == c)).sum())
+           for d in range(2) for c in range(2)}
+    assert got == {(0, 0): 2, (0, 1): 1, (1, 0): 1, (1, 1): 0}
+    assert np.array_equal(np.sort(np.concatenate([all_indices(p), held])), np.arange(len(toy)))
+
+
+def test_public_set_then_global_test_then_clients_are_disjoint(dom):
+    cfg = PartitionConfig(name="by_domain", clients_per_domain=[1, 4, 2, 3])
+    p = make_partition(dom, cfg, num_clients=10, seed=5, public_size=100, global_test_fraction=0.2)
+    assert len(p.public_idx) == 100 and p.public_idx.dtype == np.int64
+    assert np.array_equal(p.public_idx, np.unique(p.public_idx))
+    # every domain is represented in the uniform public draw (25 expected per domain)
+    assert (np.bincount(dom.domains[p.public_idx], minlength=4) > 5).all()
+    # 1100 left; 20% per (domain, class) stratum (about 27.5 each) -> about 220
+    assert abs(len(p.global_test_idx) - 220) <= 20
+    every = np.concatenate([all_indices(p), p.global_test_idx, p.public_idx])
+    assert np.array_equal(np.sort(every), np.arange(len(dom)))  # disjoint and complete
+    assert p.client_domains == [0, 1, 1, 1, 1, 2, 2, 3, 3, 3]
+    q = make_partition(dom, cfg, num_clients=10, seed=5, public_size=100, global_test_fraction=0.2)
+    r = make_partition(dom, cfg, num_clients=10, seed=6, public_size=100, global_test_fraction=0.2)
+    assert q == p and not np.array_equal(r.public_idx, p.public_idx)
+
+
+def test_holdout_errors_name_the_keys(ds):
+    cfg = PartitionConfig(name="iid")
+    with pytest.raises(ValueError, match=r"data\.public_size = 2000 leaves no training samples: .* has 2000 samples"):
+        make_partition(ds, cfg, num_clients=2, seed=0, public_size=2000)
+    with pytest.raises(ValueError, match=r"data\.global_test_fraction must be in \[0, 1\), got 1\.0"):
+        make_partition(ds, cfg, num_clients=2, seed=0, global_test_fraction=1.0)
+    with pytest.raises(ValueError, match=r"data\.long_tail_ratio must be >= 1 \(n_max / n_min\), got 0\.5"):
+        make_partition(ds, cfg, num_clients=2, seed=0, long_tail_ratio=0.5)
+    with pytest.raises(ValueError, match=r"data\.public_size = 1990, .* leave 10 of the dataset's 2000 samples for "
+                                         r"the clients, fewer than federation\.num_clients = 20 x 1 sample"):
+        make_partition(ds, cfg, num_clients=20, seed=0, public_size=1990)
+    with pytest.raises(ValueError, match=r"data\.long_tail_ratio = 100.*fewer than federation\.num_clients = 40 x "
+                                         r"data\.partition\.min_samples = 10"):
+        make_partition(ds, PartitionConfig(name="dirichlet", min_samples=10), num_clients=40, seed=0,
+                       global_test_fraction=0.5, long_tail_ratio=100)
+
+
+def test_parquet_round_trip_with_holdouts_and_domains(dom, tmp_path):
+    cfg = PartitionConfig(name="by_domain", clients_per_domain=[1, 4, 2, 3], within_domain="dirichlet", beta=0.5)
+    p = make_partition(dom, cfg, num_clients=10, seed=2, public_size=50, global_test_fraction=0.1, long_tail_ratio=5)
+    p.save_parquet(tmp_path / "p.parquet")
+    q = Partition.load_parquet(tmp_path / "p.parquet")
+    assert q == p
+    assert np.array_equal(q.global_test_idx, p.global_test_idx) and np.array_equal(q.public_idx, p.public_idx)
+    assert q.client_domains == p.client_domains == [0, 1, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert q.domain_names == ["mnist", "usps", "svhn", "synth"]
+    t = q.to_table()
+    held = t.filter(pc.equal(t.column("client_id"), -1))
+    assert sorted(set(held.column("split").to_pylist())) == ["global_test", "public"]
+    assert held.num_rows == len(p.global_test_idx) + len(p.public_idx)
+
+
+def test_old_partition_files_still_load(tmp_path):
+    # a file in the format written before holdouts existed: no holdout rows, no domain metadata
+    table = pa.table({"client_id": pa.array([0, 0, 1], type=pa.int32()), "sample_index": pa.array([0, 2, 1], type=pa.int64()),
+                      "split": ["train", "test", "train"], "label": pa.array([0, 0, 1], type=pa.int64())})
+    meta = {"num_classes": 2, "partitioner": "iid", "seed": 0, "num_samples": 3, "num_clients": 2}
+    pq.write_table(table.replace_schema_metadata({f"rayfed_proto.{k}": str(v) for k, v in meta.items()}),
+                   str(tmp_path / "old.parquet"))
+    p = Partition.load_parquet(tmp_path / "old.parquet")
+    assert p.clients[0] == ClientSplit(0, np.array([0]), np.array([2]))
+    assert len(p.global_test_idx) == 0 and len(p.public_idx) == 0
+    assert p.client_domains is None and p.domain_names == []
