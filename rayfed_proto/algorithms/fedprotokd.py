@@ -302,7 +302,7 @@ class FedProtoKDClient(ClientAlgorithm):
                 xb = self.public_x[idx].to(device, non_blocking=True)
                 teacher = self.server_logits[idx].to(device)
                 optimizer.zero_grad(set_to_none=True)
-                loss, kl, ce = client_distill_loss(model(xb), teacher, opts.gamma, opts.kd_temperature)
+                loss, kl, ce = client_distill_loss(model.forward_features(xb)[1], teacher, opts.gamma, opts.kd_temperature)
                 tally.step(model, optimizer, loss, {"kl": kl.item(), "ce": ce.item()})
         return {f"distill_{k}": v for k, v in tally.result().items()}
 
