@@ -416,3 +416,10 @@ def test_old_partition_files_still_load(tmp_path):
     assert p.clients[0] == ClientSplit(0, np.array([0]), np.array([2]))
     assert len(p.global_test_idx) == 0 and len(p.public_idx) == 0
     assert p.client_domains is None and p.domain_names == []
+
+
+def test_by_domain_domain_smaller_than_its_clients():
+    toy = make_domain_ds(np.array([[3, 3], [1, 1]]), names=["big", "small"])
+    with pytest.raises(ValueError, match=r"domain 'small' has 2 samples \(after any holdouts\), fewer than its 3 clients "
+                                         r"\(data\.partition\.clients_per_domain = \[1, 3\]\)"):
+        make_partition(toy, PartitionConfig(name="by_domain", clients_per_domain=[1, 3]), num_clients=4, seed=0)
