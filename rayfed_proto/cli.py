@@ -1,4 +1,4 @@
-"""``rayfed-proto``: run, validate and list.
+"""``rayfed-proto``: run, validate, list and tune.
 
 Exit codes: 0 success; 2 invalid input (config, dataset, resources), with a message naming the
 key, the value and what is allowed; 130 interrupted; 1 anything else.
@@ -102,6 +102,39 @@ def cmd_run(args) -> int:
     return 0
 
 
+def resolve_sweep_arg(sweep: str) -> Path:
+    """A sweep YAML path, or the name of a file in ./tune_configs (``rayfed-proto tune fedsa_lambda_cpu``)."""
+    path = Path(sweep)
+    if not path.exists() and path.suffix == "" and (Path("tune_configs") / f"{sweep}.yaml").is_file():
+        return Path("tune_configs") / f"{sweep}.yaml"
+    return path
+
+
+def cmd_tune(args) -> int:
+    from rayfed_proto.tuning.spec import load_sweep
+
+    if (args.sweep is None) == (args.resume is None):
+        print("error: give a sweep file, or --resume FOLDER (not both)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    spec = None
+    if args.sweep is not None:
+        spec = load_sweep(resolve_sweep_arg(args.sweep), args.set,
+                          {"num_samples": args.num_samples, "max_concurrent_trials": args.max_concurrent})
+        print(f"sweep OK: {spec.name}, {spec.num_trials} trials over {', '.join(spec.space)}; "
+              f"metric {spec.file.metric} ({spec.file.mode}), scheduler {spec.file.scheduler.name}")
+        if args.check:
+            return 0
+    from rayfed_proto.tuning.sweep import run_sweep
+
+    result = run_sweep(spec, resume=args.resume, address=args.address, tracking_uri=args.tracking_uri,
+                       best_out=Path(args.best_out) if args.best_out else None, verbose=0 if args.quiet else 1)
+    print(f"sweep folder: {result.experiment_path}")
+    if result.parent_run_id:
+        print(f"MLflow: parent run {result.parent_run_id}; browse with: mlflow ui --backend-store-uri {result.tracking_uri}"
+              if not result.tracking_uri.startswith("http") else f"MLflow: parent run {result.parent_run_id} at {result.tracking_uri}")
+    return 1 if result.num_errors and result.num_errors == len(result.ranked) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayfed-proto", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -117,6 +150,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("list", help="algorithms, datasets, partitioners and model groups")
     p.add_argument("--options", metavar="ALGORITHM", help="also list one algorithm's options")
     p.set_defaults(func=cmd_list)
+    p = sub.add_parser("tune", help="a Ray Tune sweep: one whole federated run per trial")
+    p.add_argument("sweep", nargs="?", help="sweep YAML (see docs/tuning.md), or a name in ./tune_configs")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an entry of the base experiment config (repeatable)")
+    p.add_argument("--resume", metavar="FOLDER", help="continue an interrupted sweep from its folder")
+    p.add_argument("--address", help="an existing Ray cluster: auto, or ray://HOST:10001 (default: a local instance)")
+    p.add_argument("--tracking-uri", help="MLflow store: http(s)://server, or sqlite:///... served by a local server")
+    p.add_argument("--num-samples", type=int, help="override the sweep's num_samples")
+    p.add_argument("--max-concurrent", type=int, help="override the sweep's max_concurrent_trials")
+    p.add_argument("--best-out", metavar="PATH", help="where to write the best config (default: <sweep folder>/best.yaml)")
+    p.add_argument("--check", action="store_true", help="validate the sweep file (every trial's config) and exit")
+    p.add_argument("--quiet", action="store_true", help="no Tune progress tables")
+    p.set_defaults(func=cmd_tune)
     return parser
 
 

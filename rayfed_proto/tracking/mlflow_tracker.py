@@ -39,6 +39,7 @@ class MlflowTracker:
         mlflow.set_tracking_uri(self.uri)
         self.experiment_name = cfg.experiment_name
         self.run_name = cfg.run_name
+        self.parent_run_id = cfg.parent_run_id
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
 
@@ -46,12 +47,28 @@ class MlflowTracker:
         mlflow = self.mlflow
         exp = mlflow.set_experiment(self.experiment_name)
         self.experiment_id = exp.experiment_id
-        run = mlflow.start_run(run_name=self.run_name, tags=tags or {}, nested=nested)
+        tags = dict(tags or {})
+        if self.parent_run_id:
+            # The tag the UI nests by. Not start_run(parent_run_id=...): that requires the parent to
+            # be ACTIVE and a resumed sweep's parent may be marked KILLED while its trials restart.
+            tags["mlflow.parentRunId"] = self.parent_run_id
+        run = mlflow.start_run(run_name=self.run_name, tags=tags, nested=nested)
         self.run_id = run.info.run_id
         # MLflow caps a param value at 6000 characters and a batch at 100 params
         items = [(k, "None" if v is None else str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             mlflow.log_params(dict(items[i : i + 100]))
+        return self.run_id
+
+    def resume(self, run_id: str) -> str:
+        """Continue an existing run (``run --resume``): same run id, metrics go on at later steps."""
+        try:
+            self.mlflow.get_run(run_id)
+        except Exception as e:  # deleted run, or another tracking store
+            raise FileNotFoundError(f"MLflow run {run_id} not found at {self.uri} ({e}); resume with the same "
+                                    "tracking.tracking_uri as the interrupted run") from None
+        run = self.mlflow.start_run(run_id=run_id)
+        self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         return self.run_id
 
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
@@ -78,6 +95,9 @@ class NullTracker:
     run_id = None
 
     def start(self, params, tags=None, nested=False):
+        return None
+
+    def resume(self, run_id):
         return None
 
     def log_metrics(self, metrics, step):

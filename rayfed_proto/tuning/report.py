@@ -1,0 +1,107 @@
+"""The end of a sweep: ranked trials, the best config as a runnable YAML, the comparison plot."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from rayfed_proto.config import ExperimentConfig, build_config
+from rayfed_proto.tuning.spec import Distribution, SweepSpec, set_dotted
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+
+
+def rank_trials(rows: list[dict[str, Any]], metric: str, mode: str) -> list[dict[str, Any]]:
+    """Rows sorted best first by ``<metric>`` (the last reported value); trials without a
+    value (errored before their first evaluation) last. Adds ``rank`` (1-based)."""
+    sign = -1.0 if mode == "max" else 1.0
+
+    def key(row):
+        v = row.get(metric)
+        return (0, sign * float(v)) if _is_number(v) else (1, 0.0)
+
+    ranked = sorted(rows, key=key)
+    for i, row in enumerate(ranked, 1):
+        row["rank"] = i
+    return ranked
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "-" if v is None else str(v)
+
+
+def format_table(ranked: list[dict[str, Any]], swept: list[str], metric: str) -> str:
+    cols = ["rank", "trial", *swept, metric, f"{metric}_best", "version", "status", "mlflow_run_id"]
+    cells = [[_fmt(r.get(c)) for c in cols] for r in ranked]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def best_config(spec: SweepSpec, values: dict[str, Any], tracking_uri: Optional[str]) -> ExperimentConfig:
+    """The base config with the best trial's values: resources as in the base (not the trial's
+    placement-group shares) and tracking to the sweep's store, with no parent run."""
+    raw = spec.trial_raw(values)
+    if tracking_uri is not None:
+        set_dotted(raw, "tracking.tracking_uri", tracking_uri)
+    for key in ("tracking.parent_run_id", "tracking.run_name"):
+        set_dotted(raw, key, None)
+    return build_config(raw, source=f"{spec.source} (best trial)")
+
+
+def write_best_yaml(path: Path, cfg: ExperimentConfig, spec: SweepSpec, best: dict[str, Any], metric: str) -> Path:
+    swept = ", ".join(f"{k}={best.get(k)!r}" for k in spec.space)
+    header = (f"# Best trial of sweep {spec.name} ({spec.source}): {metric} = {_fmt(best.get(metric))} at version "
+              f"{_fmt(best.get('version'))}\n# swept: {swept}\n# run it: rayfed-proto run {path.name}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return path
+
+
+def plot_metric_vs_params(ranked: list[dict[str, Any]], space: dict[str, Distribution], metric: str, path: Path,
+                          title: str = "") -> Path:
+    """One panel per swept key: each trial's final ``metric`` (filled) and its best (hollow)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(space)
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
+    for ax, key in zip(axes[0], keys, strict=True):
+        dist = space[key]
+        xs = [r.get(key) for r in ranked]
+        numeric = all(_is_number(x) for x in xs) and (
+            dist.kind not in ("choice", "grid") or all(_is_number(a) for a in dist.args))
+        if numeric:
+            pos = [float(x) for x in xs]
+        else:
+            labels = [str(a) for a in dist.args] if dist.kind in ("choice", "grid") else sorted({str(x) for x in xs})
+            pos = [labels.index(str(x)) if str(x) in labels else -1 for x in xs]
+            ax.set_xticks(range(len(labels)), labels, rotation=30)
+        last = [r.get(metric) if _is_number(r.get(metric)) else float("nan") for r in ranked]
+        best = [r.get(f"{metric}_best") if _is_number(r.get(f"{metric}_best")) else float("nan") for r in ranked]
+        ax.scatter(pos, last, label=f"{metric} (last)", zorder=3)
+        ax.scatter(pos, best, facecolors="none", edgecolors="C1", label=f"{metric} (best)", zorder=2)
+        if numeric and dist.is_log:
+            ax.set_xscale("log")
+        ax.set_xlabel(key)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

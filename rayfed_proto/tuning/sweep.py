@@ -1,0 +1,319 @@
+"""Run a sweep: MLflow parent run + tracking server, Tune over whole federated runs, the ranking.
+
+One sweep = one Tune experiment folder ``<storage_path>/<name>-<timestamp>/`` holding Tune's
+state plus ``rayfed_sweep.yaml`` (the validated sweep, the parent run id and the tracking
+store), which is all ``rayfed-proto tune --resume FOLDER`` needs to continue it.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from rayfed_proto.config import ConfigError, ConfigIssue
+from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
+from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
+from rayfed_proto.tuning.report import best_config, format_table, plot_metric_vs_params, rank_trials, write_best_yaml
+from rayfed_proto.tuning.resources import check_fits_cluster, resolve_gpus_per_trial
+from rayfed_proto.tuning.spec import SweepSpec, _corner_values, parse_sweep
+from rayfed_proto.tuning.trainable import (
+    TrialContext,
+    absolute_paths,
+    make_trainable,
+    trial_config,
+    trial_resources_fn,
+)
+
+log = logging.getLogger("rayfed_proto")
+STATE_FILE = "rayfed_sweep.yaml"
+
+
+@dataclass
+class SweepResult:
+    experiment_path: str
+    parent_run_id: Optional[str]
+    tracking_uri: Optional[str]            # the store (sqlite or http), usable after the sweep
+    ranked: list[dict[str, Any]] = field(default_factory=list)
+    table: str = ""
+    best_yaml: Optional[Path] = None
+    num_errors: int = 0
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def _connect_ray(address: Optional[str], spec: SweepSpec) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = address or spec.base_config.resources.address
+    kwargs: dict[str, Any] = {"include_dashboard": False, "logging_level": logging.WARNING}
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        res = spec.base_config.resources
+        ray.init(num_cpus=res.num_cpus, num_gpus=res.num_gpus, **kwargs)
+
+
+def _driver_pin(uri: Optional[str]) -> dict[str, float]:
+    """Trial drivers log to MLflow; a loopback server is reachable only from its own node, so
+    pin the driver bundle there: this process's node, or the head under Ray Client (ray://),
+    where the server is the head's (cluster.yaml)."""
+    if uri is None or not is_loopback_uri(uri):
+        return {}
+    import ray
+
+    if ray.util.client.ray.is_connected():
+        return {"node:__internal_head__": 0.001}
+    return {f"node:{ray.util.get_node_ip_address()}": 0.001}
+
+
+def _read_state(exp_path: str) -> dict[str, Any]:
+    import pyarrow.fs as pafs
+
+    fs, root = pafs.FileSystem.from_uri(exp_path) if _is_uri(exp_path) else (pafs.LocalFileSystem(), exp_path)
+    try:
+        with fs.open_input_stream(f"{root.rstrip('/')}/{STATE_FILE}") as f:
+            return yaml.safe_load(f.read().decode())
+    except (FileNotFoundError, OSError):
+        raise ConfigError([ConfigIssue(key="--resume", value=exp_path, allowed=(
+            f"a sweep folder written by rayfed-proto tune (with {STATE_FILE})"))]) from None
+
+
+def _write_state(exp_path: str, state: dict[str, Any]) -> None:
+    import pyarrow.fs as pafs
+
+    fs, root = pafs.FileSystem.from_uri(exp_path) if _is_uri(exp_path) else (pafs.LocalFileSystem(), exp_path)
+    fs.create_dir(root, recursive=True)
+    with fs.open_output_stream(f"{root.rstrip('/')}/{STATE_FILE}") as f:
+        f.write(yaml.safe_dump(state, sort_keys=False).encode())
+
+
+def _scheduler(spec: SweepSpec):
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    s = spec.file.scheduler
+    if s.name == "fifo":
+        return FIFOScheduler()
+    # time in server versions (reported with every evaluation), not Tune iterations
+    return ASHAScheduler(time_attr="version", max_t=s.max_t or spec.base_config.federation.rounds,
+                         grace_period=s.grace_period, reduction_factor=s.reduction_factor, brackets=s.brackets)
+
+
+def _searcher(spec: SweepSpec):
+    if spec.file.searcher is None:
+        return None
+    from ray.tune.search.optuna import OptunaSearch
+
+    return OptunaSearch(seed=spec.file.searcher.seed)
+
+
+def _check_cluster(spec: SweepSpec, ctx: TrialContext) -> None:
+    import ray
+
+    totals = ray.cluster_resources()
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    issues: list[ConfigIssue] = []
+    for values in _corner_values(spec.space):
+        _, plan = trial_config(ctx, values)
+        issues.extend(i for i in check_fits_cluster(plan, nodes, totals) if str(i) not in {str(j) for j in issues})
+    if issues:
+        raise ConfigError(issues, f"{spec.source} (against the cluster)")
+
+
+def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None, address: Optional[str] = None,
+              tracking_uri: Optional[str] = None, best_out: Optional[Path] = None, stop=None, verbose: int = 1,
+              echo: Callable[[str], None] = print) -> SweepResult:
+    """Run ``spec`` (or continue the sweep folder ``resume``); returns the ranking."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from ray import tune
+
+    cwd = Path.cwd()
+    if resume is not None:
+        exp_path = resume if _is_uri(resume) else str(Path(resume).resolve())
+        state = _read_state(exp_path)
+        spec = parse_sweep(state["sweep"], state["source"], cwd)
+        store_uri, parent_run_id = state["store_uri"], state["parent_run_id"]
+        output_dir = state["output_dir"]
+    else:
+        assert spec is not None
+        base_tr = spec.base_config.tracking
+        store_uri = None
+        if base_tr.enabled:
+            store_uri = tracking_uri or spec.file.tracking_uri or base_tr.tracking_uri
+            store_uri = resolve_tracking_uri(store_uri)
+            if not (is_remote_uri(store_uri) or store_uri.startswith("sqlite:///")):
+                raise ConfigError([ConfigIssue(key="tracking.tracking_uri", value=store_uri, allowed=(
+                    "for a sweep: a sqlite store (sqlite:///..., or a .db path) served by a local MLflow server, "
+                    "or an http(s):// MLflow server"))], spec.source)
+        output_dir = str(Path(spec.base_config.tracking.output_dir).expanduser().resolve())
+        storage = spec.file.storage_path if _is_uri(spec.file.storage_path) else str(Path(spec.file.storage_path).expanduser().resolve())
+        exp_name = f"{spec.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        exp_path = f"{storage.rstrip('/')}/{exp_name}"
+        parent_run_id = None
+
+    base_raw = dict(spec.base_raw)
+    absolute_paths(base_raw, cwd)
+    _connect_ray(address, spec)
+    import ray
+
+    server = None
+    status = "FAILED"
+    client = None
+    try:
+        log_uri = store_uri
+        if store_uri is not None and not is_remote_uri(store_uri):
+            server = LocalMlflowServer(store_uri)
+            log_uri = server.start()
+            echo(f"MLflow server for this sweep: {log_uri} (127.0.0.1 only) over {store_uri}")
+        if log_uri is not None:
+            mlflow.set_tracking_uri(log_uri)
+            client = MlflowClient(log_uri)
+            experiment = mlflow.set_experiment(spec.base_config.tracking.experiment_name)
+            if parent_run_id is None:
+                parent = client.create_run(experiment.experiment_id, run_name=spec.name,
+                                           tags={"rayfed_proto.sweep": spec.name, "rayfed_proto.sweep_path": exp_path})
+                parent_run_id = parent.info.run_id
+                params = {f"search_space.{k}": d.describe() for k, d in spec.space.items()}
+                params.update({"sweep.num_samples": spec.file.num_samples, "sweep.metric": spec.file.metric,
+                               "sweep.mode": spec.file.mode, "sweep.scheduler": spec.file.scheduler.name,
+                               "sweep.searcher": spec.file.searcher.name if spec.file.searcher else "random/grid",
+                               "sweep.max_concurrent_trials": spec.file.max_concurrent_trials, "sweep.source": spec.source})
+                for k, v in params.items():
+                    client.log_param(parent_run_id, k, str(v)[:6000])
+            else:
+                client.update_run(parent_run_id, status="RUNNING")
+
+        gpus = resolve_gpus_per_trial(spec.file.trial_resources.gpus_per_trial, ray.cluster_resources().get("GPU", 0.0),
+                                      spec.file.max_concurrent_trials)
+        ctx = TrialContext(sweep_name=spec.name, base_raw=base_raw, space_keys=list(spec.space),
+                           trial_resources=spec.file.trial_resources.model_dump(), gpus_per_trial=gpus,
+                           metric=spec.file.metric, tracking_uri=log_uri, parent_run_id=parent_run_id,
+                           output_dir=output_dir, driver_pin=_driver_pin(log_uri))
+        _check_cluster(spec, ctx)
+        trainable = tune.with_resources(make_trainable(ctx), trial_resources_fn(ctx))
+
+        if resume is None:
+            _write_state(exp_path, {"source": spec.source, "sweep": {**spec.file.model_dump(mode="json"), "base": spec.base_raw, "set": {}},
+                                    "store_uri": store_uri, "parent_run_id": parent_run_id, "output_dir": output_dir})
+            tuner = tune.Tuner(
+                trainable, param_space=spec.param_space(),
+                tune_config=tune.TuneConfig(metric=spec.file.metric, mode=spec.file.mode, scheduler=_scheduler(spec),
+                                            search_alg=_searcher(spec), num_samples=spec.file.num_samples,
+                                            max_concurrent_trials=spec.file.max_concurrent_trials),
+                run_config=tune.RunConfig(name=exp_path.rsplit("/", 1)[1], storage_path=exp_path.rsplit("/", 1)[0],
+                                          stop=stop, verbose=verbose,
+                                          failure_config=tune.FailureConfig(max_failures=0)))
+            echo(f"sweep {spec.name}: {spec.num_trials} trials, at most {spec.file.max_concurrent_trials} at once; "
+                 f"folder {exp_path} (resume with: rayfed-proto tune --resume {exp_path})")
+        else:
+            if not tune.Tuner.can_restore(exp_path):
+                raise ConfigError([ConfigIssue(key="--resume", value=exp_path, allowed="a Tune experiment folder Tune can restore")])
+            # unfinished trials restart from version 0 (a run has no mid-run checkpoint); errored ones too
+            tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, restart_errored=True)
+            echo(f"resuming sweep {spec.name} from {exp_path}")
+        grid = tuner.fit()
+
+        result = _summarise(grid, spec, exp_path, store_uri, parent_run_id, client, best_out, echo)
+        status = "FINISHED"
+        return result
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if client is not None and parent_run_id is not None:
+            _close_children(client, spec, parent_run_id)
+            try:
+                client.set_terminated(parent_run_id, status=status)
+            except Exception as e:  # the server may be gone already; the run stays RUNNING
+                log.warning("could not end the parent run %s: %s", parent_run_id, e)
+        if server is not None:
+            server.stop()
+
+
+def _close_children(client, spec: SweepSpec, parent_run_id: str) -> None:
+    """Trials stopped by the scheduler, or killed with an interrupted sweep, die inside
+    run_experiment and leave their child runs RUNNING: end them as KILLED."""
+    exp = client.get_experiment_by_name(spec.base_config.tracking.experiment_name)
+    if exp is None:
+        return
+    for run in client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
+                                  max_results=10_000):
+        if run.info.status == "RUNNING":
+            client.set_tag(run.info.run_id, "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
+            client.set_terminated(run.info.run_id, status="KILLED")
+
+
+def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, client, best_out, echo) -> SweepResult:
+    metric, mode = spec.file.metric, spec.file.mode
+    rows = []
+    errors = 0
+    for res in grid:
+        last = dict(res.metrics or {})
+        frame = res.metrics_dataframe
+        best_value = float("nan")
+        if frame is not None and metric in frame:
+            col = frame[metric].dropna()
+            if len(col):
+                best_value = float(col.max() if mode == "max" else col.min())
+        status = "ERROR" if res.error is not None else ("done" if last.get("version") == _rounds(spec, res.config)
+                                                        else "stopped")
+        errors += res.error is not None
+        rows.append({"trial": last.get("trial_id") or Path(res.path).name, **{k: res.config.get(k) for k in spec.space},
+                     metric: last.get(metric), f"{metric}_best": best_value, "version": last.get("version"),
+                     "status": status, "mlflow_run_id": last.get("mlflow_run_id"), "_config": res.config})
+    ranked = rank_trials(rows, metric, mode)
+    table = format_table(ranked, list(spec.space), metric)
+    echo(f"\ntrials ranked by {metric} (last evaluation, {mode}):\n{table}")
+
+    local_dir = Path(exp_path) if not _is_uri(exp_path) else Path(tempfile.mkdtemp(prefix="rayfed-sweep-"))
+    csv_path = local_dir / "trials.csv"
+    with csv_path.open("w", newline="") as f:
+        cols = ["rank", "trial", *spec.space, metric, f"{metric}_best", "version", "status", "mlflow_run_id"]
+        w = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(ranked)
+    (local_dir / "trials.txt").write_text(table + "\n")
+    plot = plot_metric_vs_params(ranked, spec.space, metric, local_dir / f"{metric}_vs_params.png", title=spec.name)
+
+    best_path = None
+    scored = [r for r in ranked if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
+    if scored:
+        best = scored[0]
+        store_for_runs = store_uri
+        cfg = best_config(spec, {k: best[k] for k in spec.space}, store_for_runs)
+        best_path = Path(best_out) if best_out else (local_dir / "best.yaml" if not _is_uri(exp_path)
+                                                     else Path.cwd() / f"{Path(exp_path).name}-best.yaml")
+        write_best_yaml(best_path, cfg, spec, best, metric)
+        echo(f"best trial: {best['trial']} ({metric} = {best[metric]:.4f}); config written to {best_path}\n"
+             f"run it with: rayfed-proto run {best_path}")
+    if client is not None and parent_run_id is not None:
+        for p, sub in ((csv_path, None), (local_dir / "trials.txt", None), (plot, "plots")):
+            client.log_artifact(parent_run_id, str(p), sub)
+        if best_path is not None:
+            client.log_artifact(parent_run_id, str(best_path))
+            client.log_metric(parent_run_id, f"best_{metric}", float(scored[0][metric]))
+            for k in spec.space:
+                client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))
+        client.log_metric(parent_run_id, "trials", len(ranked))
+        client.log_metric(parent_run_id, "trials_errored", errors)
+    for r in ranked:
+        r.pop("_config", None)
+    return SweepResult(exp_path, parent_run_id, store_uri, ranked, table, best_path, errors)
+
+
+def _rounds(spec: SweepSpec, config: dict[str, Any]) -> int:
+    rounds = config.get("federation.rounds")
+    return int(rounds) if rounds is not None else spec.base_config.federation.rounds
