@@ -74,6 +74,8 @@ class Distribution:
             return tune.loguniform(a[0], a[1])
         if k == "randint":
             return tune.randint(a[0], a[1])  # high exclusive, as Tune
+        if all(float(x).is_integer() for x in a):  # integer steps: ints, so int-typed keys accept them
+            return tune.qrandint(int(a[0]), int(a[1]), int(a[2]))
         return tune.quniform(a[0], a[1], a[2])
 
     def corners(self) -> list[Any]:
