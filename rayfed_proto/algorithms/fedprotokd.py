@@ -47,7 +47,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import (
@@ -72,6 +72,7 @@ from rayfed_proto.algorithms.common import (
 from rayfed_proto.algorithms.fedtgp import PrototypeGenerator, adaptive_margin
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+from rayfed_proto.models import ARCHITECTURES
 
 PUBLIC_LOGITS = "public_logits"
 SERVER_LOGITS = "server_logits"
@@ -115,6 +116,13 @@ class FedProtoKDOptions(Options):
     server_lr: float = Field(0.01, gt=0, description="server model learning rate")
     server_momentum: float = Field(0.9, ge=0, lt=1, description="server model SGD momentum")
     server_weight_decay: float = Field(0.0, ge=0, description="server model weight decay")
+
+    @field_validator("server_arch")
+    @classmethod
+    def _known_arch(cls, v: str) -> str:
+        if v not in ARCHITECTURES:  # checked with the config, before anything starts
+            raise ValueError(f"unknown architecture {v!r}; one of {', '.join(ARCHITECTURES.names())}")
+        return v
 
     def alignment_weight(self, version: int) -> float:
         """epsilon_t: ``epsilon`` scaled by the schedule at the version trained against."""

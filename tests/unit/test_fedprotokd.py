@@ -54,6 +54,8 @@ def test_defaults_are_the_papers():
     assert ALGO.config_defaults == {"data.public_size": 2500, "data.global_test_fraction": 0.2}
     with pytest.raises(ValueError):
         ALGO.Options(gamma=1.5)
+    with pytest.raises(ValueError, match="unknown architecture 'resnet35'"):
+        ALGO.Options(server_arch="resnet35")
 
 
 @pytest.mark.parametrize("public_x", [None, torch.zeros(0, 1, 8, 8)])
