@@ -120,7 +120,7 @@ def cmd_tune(args) -> int:
     if args.sweep is not None:
         spec = load_sweep(resolve_sweep_arg(args.sweep), args.set,
                           {"num_samples": args.num_samples, "max_concurrent_trials": args.max_concurrent})
-        print(f"sweep OK: {spec.name}, {spec.num_trials} trials over {', '.join(spec.space)}; "
+        print(f"sweep OK: {spec.name}, {spec.num_trials} trial{'s' if spec.num_trials != 1 else ''} over {', '.join(spec.space)}; "
               f"metric {spec.file.metric} ({spec.file.mode}), scheduler {spec.file.scheduler.name}")
         if args.check:
             return 0
