@@ -131,7 +131,9 @@ class FedTGPServer(PrototypeServer):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state.update(generator={k: v.cpu().numpy() for k, v in self.generator.state_dict().items()},
+        # copies: on CPU .numpy() shares memory with the live weights, and a rollback must restore
+        # the generator as it was, not as later training left it
+        state.update(generator={k: v.detach().cpu().numpy().copy() for k, v in self.generator.state_dict().items()},
                      seen=self.seen.copy(), margin=self.margin, shuffle=self.shuffle.get_state().numpy())
         return state
 

@@ -186,6 +186,37 @@ def test_fedtgp_server_trains_generator_and_broadcasts_seen_classes_only():
     assert (after - target).norm(dim=1).mean() < (before - target).norm(dim=1).mean()
 
 
+@pytest.mark.parametrize("name", ["fedtgp", "fedsa", "fedsap", "fedproto", "fedavg"])
+def test_server_state_dict_is_a_snapshot_not_a_view(name):
+    # the runtime rolls a non-finite version back to the state_dict taken before aggregating:
+    # if it aliased live tensors, the "before" state would move with training and restore nothing
+    algo = ALGORITHMS.get(name)
+    spec = FederationSpec(num_clients=2, num_classes=3, feature_dim=4, seed=0,
+                          build_model=lambda: torch.nn.Linear(4, 3))
+    opts = algo.Options(**({"server_epochs": 5, "server_lr": 0.5} if "server_epochs" in algo.Options.model_fields else {}))
+    server = algo.Server(opts, spec, torch.device("cpu"))
+    rng = np.random.default_rng(1)
+    ups = [ClientUpdate(c, 0, 5, prototypes=pset([0, 1], rng.normal(size=(2, 4)), [2, 3]),
+                        weights={k: v + 1.0 for k, v in server.state_dict()["global_weights"].items()} if name == "fedavg" else None)
+           for c in range(2)]
+    before = server.state_dict()
+    frozen = {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v) for k, v in _flat(before).items()}
+    server.aggregate(ups, [1.0, 1.0], version=1)
+    for k, v in _flat(before).items():
+        if isinstance(v, np.ndarray):
+            np.testing.assert_array_equal(v, frozen[k], err_msg=f"{name}: state_dict()[{k}] changed with training")
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 # ----------------------------------------------------------------------------- FedAvg
 
 def test_average_weights_by_hand():
