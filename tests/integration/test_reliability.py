@@ -1,0 +1,140 @@
+"""Fault injection through real actors on the shared Ray instance: interrupt and resume, a client
+actor killed, the server actor killed, clients that upload garbage. Each test asserts that the run
+finished, what was counted, and that nothing non-finite reached the global state."""
+
+import numpy as np
+import pytest
+import ray
+from mlflow.tracking import MlflowClient
+
+from rayfed_proto.config import build_config
+from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["algorithm.name=fedproto", "data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20",
+         "model.group=small_hetero", "model.feature_dim=32", "federation.num_clients=4", "federation.eval_every=1"]
+QUIET = {"progress": False, "echo": lambda s: None}
+
+
+def _named(part: str) -> str:
+    """The current Ray name of one of this run's actors (``client:0``, ``server``)."""
+    names = [n["name"] if isinstance(n, dict) else n for n in ray.util.list_named_actors()]
+    matches = sorted(n for n in names if n.startswith("rayfed:") and f":{part}:" in n)
+    assert matches, f"no live actor named *:{part}:* among {names}"
+    return matches[-1]
+
+
+def _history(client, run_id, key):
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+
+
+def _assert_finite_bank(result):
+    bank = np.load(result.output_dir / "global_prototypes.npz")
+    assert np.isfinite(bank["vectors"]).all()
+
+
+def test_sync_run_stopped_and_resumed_matches_an_uninterrupted_run(ray_session, tracking):
+    uri, track = tracking
+    common = SMALL + track + ["federation.mode=sync", "federation.rounds=4", "checkpoint.every=2",
+                              "federation.participation=0.5", "resources.clients_per_actor=2"]
+    straight = run_experiment(build_config({}, common), **QUIET)
+
+    with pytest.raises(RunInterrupted) as stopped:
+        run_experiment(build_config({}, common + ["faults.stop_at_version=3"]), **QUIET)
+    out = stopped.value.output_dir
+    assert "rayfed-proto run --resume" in str(stopped.value)
+    cfg_stopped = build_config({}, common + ["faults.stop_at_version=3"])
+    ckpt = checkpoint_store(cfg_stopped, out).latest()
+    assert ckpt.version == 3  # the stop wrote its own checkpoint at a round boundary (periodic one was at 2)
+    client = MlflowClient(uri)
+    assert client.get_run(ckpt.manifest["run_id"]).info.status == "KILLED"
+
+    resumed = run_experiment(build_config({}, common), resume_dir=out, **QUIET)
+    assert resumed.run_id == ckpt.manifest["run_id"] and resumed.final_version == 4
+    assert client.get_run(resumed.run_id).info.status == "FINISHED"
+    # the same MLflow run, every version logged once before and after the resume
+    assert [s for s, _ in _history(client, resumed.run_id, "head_acc")] == [0, 1, 2, 3, 4]
+    # Exactly equal, not within a tolerance: every random stream (client sampling, each client's
+    # batches, each actor's torch RNG), every optimizer and the server state are restored, and sync
+    # rounds are aggregated in client order, so the float operations are the same ones.
+    for key in ("head_acc", "proto_acc", "train_loss", "proto_margin_mean"):
+        assert resumed.history[-1][key] == straight.history[-1][key], key
+    _assert_finite_bank(resumed)
+
+
+def test_killed_client_actor_is_recreated_and_the_run_finishes(ray_session, tracking):
+    uri, track = tracking
+    killed = []
+
+    def kill_once(version, metrics):
+        if version == 2 and not killed:
+            name = _named("client:0")
+            ray.kill(ray.get_actor(name), no_restart=True)
+            killed.append(name)
+
+    cfg = build_config({}, SMALL + track + ["federation.mode=async", "federation.rounds=8", "federation.buffer_size=1",
+                                            "federation.concurrency=2", "checkpoint.every=2"])
+    result = run_experiment(cfg, on_eval=kill_once, **QUIET)
+    assert killed and result.final_version == 8
+    last = result.history[-1]
+    assert last["client_failures"] == 1
+    assert last["updates_lost_client"] <= 1  # the update in flight on the dead actor, if there was one
+    assert last["clients_excluded"] == 0
+    client = MlflowClient(uri)
+    assert _history(client, result.run_id, "client_failures")[-1][1] == 1
+    assert client.get_run(result.run_id).info.status == "FINISHED"
+    _assert_finite_bank(result)
+
+
+def test_client_failing_beyond_the_limit_is_excluded_not_fatal(ray_session, tracking):
+    _, track = tracking
+    kills = []
+
+    def kill_client_zero_each_time(version, metrics):
+        if version in (1, 2) and len(kills) < 2:
+            ray.kill(ray.get_actor(_named("client:0")), no_restart=True)
+            kills.append(version)
+
+    # sync mode: client 0 is in every round (participation 1), so each kill costs its update
+    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=5",
+                                            "reliability.max_client_failures=1", "checkpoint.every=0"])
+    result = run_experiment(cfg, on_eval=kill_client_zero_each_time, **QUIET)
+    assert result.final_version == 5 and len(kills) == 2
+    last = result.history[-1]
+    assert last["client_failures"] == 2 and last["clients_excluded"] == 1
+    _assert_finite_bank(result)
+
+
+def test_killed_server_actor_is_recreated_from_the_checkpoint(ray_session, tracking):
+    uri, track = tracking
+    killed = []
+
+    def kill_server_once(version, metrics):
+        if version == 3 and not killed:
+            ray.kill(ray.get_actor(_named("server")), no_restart=True)
+            killed.append(version)
+
+    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=6", "checkpoint.every=2"])
+    result = run_experiment(cfg, on_eval=kill_server_once, **QUIET)
+    assert killed and result.final_version == 6
+    last = result.history[-1]
+    assert last["server_restarts"] == 1
+    assert last["versions_redone"] >= 1  # version 3 existed only on the dead server: redone from the checkpoint of 2
+    versions = [h["version"] for h in result.history]
+    assert versions[-1] == 6 and set(range(7)) <= set(versions)
+    assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
+    _assert_finite_bank(result)
+
+
+@pytest.mark.parametrize("kind", ["nan", "inf", "shape", "unknown_class", "future_version"])
+def test_garbage_uploads_are_refused_and_counted(ray_session, tracking, kind):
+    _, track = tracking
+    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=3", "checkpoint.every=0",
+                                            "faults.corrupt_clients=[1]", f"faults.corrupt_kind={kind}"])
+    result = run_experiment(cfg, **QUIET)
+    last = result.history[-1]
+    assert result.final_version == 3
+    assert last["updates_refused"] == 3  # client 1, once per round
+    assert last["updates_accepted"] == 9  # the other three clients, every round
+    _assert_finite_bank(result)
