@@ -50,6 +50,9 @@ class FedLSAOptions(FedAvgOptions):
     anchor_optimizer: Literal["sgd", "adam"] = Field("sgd", description="optimizer of R and Theta (paper: SGD)")
     anchor_lr: float = Field(0.01, gt=0, description="learning rate of R and Theta")
     anchor_momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum of R and Theta")
+    compactness: Literal["vmf", "l2"] = Field(
+        "vmf", description="client term weighted by lam: L_COM (Eq. 8) or the squared L2 distance to the class anchor "
+        "(the paper's ablation row 'L_SEP without L_COM', Tables 4-5)")
 
 
 # ----------------------------------------------------------------------------- the equations
@@ -104,6 +107,19 @@ def compactness_loss(h: torch.Tensor, labels: torch.Tensor, anchors: torch.Tenso
         return h.sum() * 0.0
     logits = (h[keep] @ anchors.T / tau).masked_fill(~mask.unsqueeze(0), float("-inf"))  # FedLSA Eq. 7: a_j^T h / tau
     return F.cross_entropy(logits, labels[keep])  # FedLSA Eq. 8
+
+
+def anchor_l2_loss(h: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
+                   mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """||h - a_y||^2, mean over the samples whose class has an anchor: the L2 pull that replaces
+    L_COM in the paper's ablation (Tables 4-5, "L_SEP without L_COM")."""
+    if anchors.numel() == 0:
+        return h.sum() * 0.0
+    keep = mask[labels] if mask is not None else torch.ones_like(labels, dtype=torch.bool)
+    if not bool(keep.any()):
+        return h.sum() * 0.0
+    diff = h[keep] - anchors[labels[keep]]
+    return (diff * diff).sum(1).mean()
 
 
 def train_anchors(mapping: AnchorMapping, optimizer: torch.optim.Optimizer, head_weight: torch.Tensor,
@@ -236,7 +252,11 @@ class FedLSAClient(FedAvgClient):
         with torch.set_grad_enabled(torch.is_grad_enabled() and lam > 0):
             # F.normalize is the identity on unit h; it keeps Eq. 8 on the sphere if a user turns
             # model.normalize_features off
-            com = compactness_loss(F.normalize(h, dim=1), y, anchors, self.options.tau, mask)  # FedLSA Eq. 8
+            h_unit = F.normalize(h, dim=1)
+            if self.options.compactness == "l2":
+                com = anchor_l2_loss(h_unit, y, anchors, mask)  # ablation (Tables 4-5): ||h - a_y||^2
+            else:
+                com = compactness_loss(h_unit, y, anchors, self.options.tau, mask)  # FedLSA Eq. 8
         total = ce + lam * com if lam > 0 else ce  # FedLSA Eq. 10: L_HC = L_CE + lambda L_COM
         return total, {"ce": ce.item(), "com": com.item()}
 

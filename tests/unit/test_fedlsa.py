@@ -12,6 +12,7 @@ from rayfed_proto.algorithms.base import TrainBatchIterator
 from rayfed_proto.algorithms.fedlsa import (
     AnchorMapping,
     anchor_ce_loss,
+    anchor_l2_loss,
     compactness_loss,
     separation_loss,
     train_anchors,
@@ -56,7 +57,7 @@ def test_defaults_are_from_the_papers_grid():
     o = ALGO.Options()
     assert (o.lam, o.alpha, o.tau, o.server_epochs) == (0.7, 0.4, 0.1, 500)
     assert o.server_lr == 1.0  # FedAvg's mixing rate, not the anchors' learning rate
-    assert (o.anchor_optimizer, o.anchor_lr) == ("sgd", 0.01)
+    assert (o.anchor_optimizer, o.anchor_lr, o.compactness) == ("sgd", 0.01, "vmf")
     with pytest.raises(ValueError):
         ALGO.Options(tau=0.0)
 
@@ -166,6 +167,18 @@ def test_zero_lambda_leaves_com_out_but_logs_it():
     assert terms["com"] == pytest.approx(COM, rel=1e-6)
     loss.backward()
     assert x.grad.abs().sum() == 0  # zero head: CE has no gradient to the features, and L_COM is off
+
+
+def test_l2_compactness_variant_of_the_ablation_by_hand():
+    a = torch.tensor(ANCHORS)
+    # ||(1,0) - a_0||^2 = 0, ||(0,1) - a_0||^2 = 1 + 1 = 2 -> mean 1
+    assert anchor_l2_loss(X, torch.tensor([0, 0]), a).item() == pytest.approx(1.0)
+    # ||(1,0) - a_1||^2 = 2; the second sample's class 2 has no anchor: skipped -> 2
+    assert anchor_l2_loss(X, torch.tensor([1, 2]), a, torch.tensor([True, True, False])).item() == pytest.approx(2.0)
+    client, model = client_with(lam=0.5, tau=0.5, compactness="l2")
+    loss, terms = client.loss(model, X, torch.tensor([0, 2]))
+    # sample 0 on a_0: 0; sample 1, (0, 1) against a_2 = (-1, 0): 1 + 1 = 2 -> mean 1
+    assert terms["com"] == pytest.approx(1.0) and loss.item() == pytest.approx(math.log(3) + 0.5, rel=1e-6)
 
 
 def test_client_without_anchors_trains_on_ce_only():
