@@ -19,7 +19,8 @@ across versions (Algorithm 1: R^e <- R^{e-1}). The anchors are L2-normalised (AL
 ``PrototypeSet`` (every class, from version 0), which is also the nearest-anchor inference bank.
 
 Client (Eq. 8-10): L_HC = CE(phi(h), y) + lambda L_COM, L_COM = CE(A h / tau, y); uploads its
-weights (FedAvg path).
+weights (FedAvg path). ``compactness: l2`` replaces L_COM by mean ||h - a_y||^2, the paper's
+ablation row "L_SEP without L_COM" (Tables 4-5).
 """
 
 from __future__ import annotations

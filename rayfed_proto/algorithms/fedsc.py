@@ -302,7 +302,9 @@ class FedSCClient(FedAvgClient):
         ce = F.cross_entropy(logits, y)  # FedSC Eq. 16
         o = self.options
         if self.relational is not None:
-            rel, rel_y = self.relational.to(z.device), self.relational_labels.to(z.device)
+            if self.relational.device != z.device:  # moved once per received state, not per batch
+                self.relational, self.relational_labels = self.relational.to(z.device), self.relational_labels.to(z.device)
+            rel, rel_y = self.relational, self.relational_labels
         else:
             rel, rel_y = z.new_zeros(0, z.shape[1]), torch.zeros(0, dtype=torch.int64, device=z.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and o.rpcl_weight > 0):
