@@ -104,6 +104,17 @@ def run_experiment(
                                        long_tail_ratio=cfg.data.long_tail_ratio)
         except (ValueError, KeyError) as e:  # infeasible data for this config: the user's to fix
             raise InputError(str(e)) from e
+    # Everything that can refuse the run does so before anything is written: the tracking store,
+    # the cluster's resources (GPUs requested that the cluster lacks), then the output folders.
+    tracker = make_tracker(cfg.tracking)
+    import ray
+
+    from rayfed_proto.runtime.resources import assign_clients, plan_resources
+
+    ensure_ray(cfg)
+    total = ray.cluster_resources()
+    plan = plan_resources(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0))
+    if ckpt is None:
         out = _output_dir(cfg)  # only once the data is known to be usable: a refused run leaves nothing
         store = checkpoint_store(cfg, out)
         try:
@@ -119,7 +130,6 @@ def run_experiment(
     class_names = list(dataset.class_names)
     del dataset  # client actors load their own shards
 
-    tracker = make_tracker(cfg.tracking)
     driver_state: dict[str, Any] = ckpt.driver_state() if ckpt is not None else {}
     if ckpt is not None:
         run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
@@ -144,15 +154,9 @@ def run_experiment(
                                                     title=f"{cfg.data.name}: {cfg.data.partition.name} partition")
             tracker.log_artifact(heatmap, "plots")
 
-        import ray
-
         from rayfed_proto.runtime.actors import ClientActor, ServerActor
-        from rayfed_proto.runtime.resources import assign_clients, plan_resources
         from rayfed_proto.runtime.scheduler import Scheduler, StopRequested
 
-        ensure_ray(cfg)
-        total = ray.cluster_resources()
-        plan = plan_resources(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0))
         if ckpt is None:
             tracker.log_metrics({f"resources.{k}": v for k, v in plan.as_dict().items()}, step=0)
         cfg_dict = cfg.to_dict()

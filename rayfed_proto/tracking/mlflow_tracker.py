@@ -35,7 +35,14 @@ class MlflowTracker:
         self.mlflow = mlflow
         self.uri = resolve_tracking_uri(cfg.tracking_uri)
         if self.uri.startswith("sqlite:///"):
-            Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+            db = Path(self.uri[len("sqlite:///"):])
+            try:
+                db.parent.mkdir(parents=True, exist_ok=True)
+                with open(db, "ab"):
+                    pass  # creates it if missing, proves it writable; sqlite fills an empty file
+            except OSError as e:
+                raise PermissionError(f"cannot write the MLflow store {db} ({e.strerror or e}); set tracking.tracking_uri "
+                                      "to a writable location, or tracking.enabled=false") from None
         mlflow.set_tracking_uri(self.uri)
         self.experiment_name = cfg.experiment_name
         self.run_name = cfg.run_name

@@ -105,6 +105,8 @@ def summary_rows(history: History) -> list[tuple[str, str]]:
     v = metric_series(history, "version")
     rows += _accuracy_rows("head accuracy", metric_series(history, "head_acc"), v)
     rows += _accuracy_rows("prototype accuracy", metric_series(history, "proto_acc"), v)
+    rows += _accuracy_rows("global model accuracy", metric_series(history, "global_acc"), v)
+    rows += _accuracy_rows("global model, domain mean", metric_series(history, "global_acc_domain_mean"), v)
 
     mean, std = metric_series(history, "head_acc_mean"), metric_series(history, "head_acc_std")
     ok = np.flatnonzero(np.isfinite(mean) & np.isfinite(std))
@@ -147,6 +149,14 @@ def summary_rows(history: History) -> list[tuple[str, str]]:
     i = _last_finite(util)
     if i is not None:
         rows.append(("slot utilisation", f"{100.0 * util[i]:.1f}%"))
+
+    failures = [(label, metric_series(history, key)) for label, key in (
+        ("client actor failures", "client_failures"), ("server restarts", "server_restarts"),
+        ("updates lost to client failures", "updates_lost_client"),
+        ("updates lost to server restarts", "updates_lost_server"), ("clients excluded", "clients_excluded"))]
+    shown = [f"{label} {int(series[-1])}" for label, series in failures if series.size and np.isfinite(series[-1]) and series[-1] > 0]
+    if shown:
+        rows.append(("failures survived", ", ".join(shown)))
     return rows
 
 

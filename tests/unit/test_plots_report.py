@@ -176,3 +176,15 @@ def test_history_to_frame() -> None:
     assert frame["version"].tolist() == [1, 2]
     assert math.isnan(frame.loc[1, "head_acc"])
     assert history_to_frame([]).empty
+
+
+def test_summary_shows_global_accuracy_and_failures_only_when_present():
+    from rayfed_proto.tracking.report import summary_rows
+
+    plain = dict(summary_rows([{"version": 1, "head_acc": 0.5}]))
+    assert not any(k.startswith("global") for k in plain) and "failures survived" not in plain
+    rows = dict(summary_rows([{"version": 1, "head_acc": 0.5, "global_acc": 0.25, "global_acc_domain_mean": 0.2,
+                               "client_failures": 2, "server_restarts": 0, "clients_excluded": 1}]))
+    assert rows["global model accuracy (final)"] == "25.00% @ v1"
+    assert rows["global model, domain mean (final)"] == "20.00% @ v1"
+    assert rows["failures survived"] == "client actor failures 2, clients excluded 1"  # zero counts left out
