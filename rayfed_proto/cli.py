@@ -119,7 +119,8 @@ def cmd_tune(args) -> int:
     spec = None
     if args.sweep is not None:
         spec = load_sweep(resolve_sweep_arg(args.sweep), args.set,
-                          {"num_samples": args.num_samples, "max_concurrent_trials": args.max_concurrent})
+                          {"num_samples": args.num_samples, "max_concurrent_trials": args.max_concurrent,
+                           "storage_path": args.storage_path})
         print(f"sweep OK: {spec.name}, {spec.num_trials} trial{'s' if spec.num_trials != 1 else ''} over {', '.join(spec.space)}; "
               f"metric {spec.file.metric} ({spec.file.mode}), scheduler {spec.file.scheduler.name}")
         if args.check:
@@ -132,6 +133,8 @@ def cmd_tune(args) -> int:
     if result.parent_run_id:
         print(f"MLflow: parent run {result.parent_run_id}; browse with: mlflow ui --backend-store-uri {result.tracking_uri}"
               if not result.tracking_uri.startswith("http") else f"MLflow: parent run {result.parent_run_id} at {result.tracking_uri}")
+    if result.interrupted:
+        return 130
     return 1 if result.num_errors and result.num_errors == len(result.ranked) else 0
 
 
@@ -159,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", help="MLflow store: http(s)://server, or sqlite:///... served by a local server")
     p.add_argument("--num-samples", type=int, help="override the sweep's num_samples")
     p.add_argument("--max-concurrent", type=int, help="override the sweep's max_concurrent_trials")
+    p.add_argument("--storage-path", help="override the sweep's storage_path (Tune's folder parent; s3://bucket/prefix on a cluster)")
     p.add_argument("--best-out", metavar="PATH", help="where to write the best config (default: <sweep folder>/best.yaml)")
     p.add_argument("--check", action="store_true", help="validate the sweep file (every trial's config) and exit")
     p.add_argument("--quiet", action="store_true", help="no Tune progress tables")

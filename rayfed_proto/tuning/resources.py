@@ -117,8 +117,15 @@ def check_fits_cluster(plan: TrialPlan, nodes: list[dict[str, float]], totals: d
     if gpus > totals.get("GPU", 0.0) + 1e-9:
         issues.append(ConfigIssue(key="trial_resources.gpus_per_trial", value=round(gpus, 4),
                                   allowed=f"at most the cluster's {totals.get('GPU', 0):g} GPUs"))
-    for b in plan.bundles:
+    for i, b in enumerate(plan.bundles):
         if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in b.items()) for node in nodes):
-            issues.append(ConfigIssue(key="trial_resources", value=b, allowed="each bundle must fit on one node of the cluster"))
+            pinned = [k for k in b if k.startswith("node:")]
+            if i == 0 and pinned:
+                issues.append(ConfigIssue(key="trial_resources.driver_cpus", value=b.get("CPU", 0.0), allowed=(
+                    f"the trial drivers log to a 127.0.0.1 MLflow server, so they run on its node ({pinned[0]}), "
+                    "which lacks these CPUs (a cluster head with CPU 0): use driver_cpus: 0, or an MLflow server "
+                    "every node reaches (--tracking-uri http://HOST:PORT)")))
+            else:
+                issues.append(ConfigIssue(key="trial_resources", value=b, allowed="each bundle must fit on one node of the cluster"))
             break
     return issues

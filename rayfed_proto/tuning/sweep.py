@@ -46,6 +46,7 @@ class SweepResult:
     table: str = ""
     best_yaml: Optional[Path] = None
     num_errors: int = 0
+    interrupted: bool = False
 
 
 def _is_uri(path: str) -> bool:
@@ -227,7 +228,10 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         grid = tuner.fit()
 
         result = _summarise(grid, spec, exp_path, store_uri, parent_run_id, client, best_out, echo)
-        status = "FINISHED"
+        result.interrupted = _interrupted(exp_path, result.ranked)
+        if result.interrupted:  # Ctrl-C: Tune saved its state and returned early
+            echo(f"sweep interrupted; continue it with: rayfed-proto tune --resume {exp_path}")
+        status = "KILLED" if result.interrupted else "FINISHED"
         return result
     except KeyboardInterrupt:
         status = "KILLED"
@@ -241,6 +245,18 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
                 log.warning("could not end the parent run %s: %s", parent_run_id, e)
         if server is not None:
             server.stop()
+
+
+def _interrupted(exp_path: str, ranked: list[dict[str, Any]]) -> bool:
+    """Whether some trial neither finished nor failed (the sweep was stopped by Ctrl-C), from
+    the experiment state Tune saved on its way out."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        return any(t.status not in ("TERMINATED", "ERROR") for t in ExperimentAnalysis(exp_path).trials)
+    except Exception as e:  # unreadable state: fall back to trials that never reported
+        log.warning("could not read the trial states of %s: %s", exp_path, e)
+        return any(r["status"] == "not run" for r in ranked)
 
 
 def _close_children(client, spec: SweepSpec, parent_run_id: str) -> None:
@@ -268,12 +284,17 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
             col = frame[metric].dropna()
             if len(col):
                 best_value = float(col.max() if mode == "max" else col.min())
-        status = "ERROR" if res.error is not None else ("done" if last.get("version") == _rounds(spec, res.config)
-                                                        else "stopped")
+        if res.error is not None:
+            status = "ERROR"
+        elif last.get("version") is None:
+            status = "not run"
+        else:
+            status = "done" if last.get("version") == _rounds(spec, res.config) else "stopped"
         errors += res.error is not None
-        rows.append({"trial": last.get("trial_id") or Path(res.path).name, **{k: res.config.get(k) for k in spec.space},
+        config = res.config or {}
+        rows.append({"trial": last.get("trial_id") or Path(res.path or "?").name, **{k: config.get(k) for k in spec.space},
                      metric: last.get(metric), f"{metric}_best": best_value, "version": last.get("version"),
-                     "status": status, "mlflow_run_id": last.get("mlflow_run_id"), "_config": res.config})
+                     "status": status, "mlflow_run_id": last.get("mlflow_run_id")})
     ranked = rank_trials(rows, metric, mode)
     table = format_table(ranked, list(spec.space), metric)
     echo(f"\ntrials ranked by {metric} (last evaluation, {mode}):\n{table}")
@@ -309,11 +330,9 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
                 client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))
         client.log_metric(parent_run_id, "trials", len(ranked))
         client.log_metric(parent_run_id, "trials_errored", errors)
-    for r in ranked:
-        r.pop("_config", None)
     return SweepResult(exp_path, parent_run_id, store_uri, ranked, table, best_path, errors)
 
 
-def _rounds(spec: SweepSpec, config: dict[str, Any]) -> int:
-    rounds = config.get("federation.rounds")
+def _rounds(spec: SweepSpec, config: Optional[dict[str, Any]]) -> int:
+    rounds = (config or {}).get("federation.rounds")
     return int(rounds) if rounds is not None else spec.base_config.federation.rounds

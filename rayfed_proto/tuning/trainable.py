@@ -86,18 +86,32 @@ def make_trainable(ctx: TrialContext):
 
         run_name = f"{ctx.sweep_name}-{tune.get_context().get_trial_id()}"
         cfg, _ = trial_config(ctx, config, run_name=run_name)
+        run_ids: list[str] = []
 
         def on_eval(version: int, metrics: dict[str, Any]) -> None:
-            if ctx.metric not in metrics:  # proto_acc has no value before the first bank (version 0)
-                return
             report: dict[str, Any] = {**_numeric(metrics), "version": version}
             if cfg.tracking.enabled:
                 import mlflow
 
                 run = mlflow.active_run()
-                report["mlflow_run_id"] = run.info.run_id if run is not None else None
-            tune.report(report)
+                if run is not None and not run_ids:
+                    run_ids.append(run.info.run_id)
+                report["mlflow_run_id"] = run_ids[0] if run_ids else None
+            if ctx.metric not in metrics:  # proto_acc has no value before the first bank (version 0)
+                return
+            tune.report(report)  # raises SystemExit when the scheduler stops this trial
 
-        run_experiment(cfg, progress=False, echo=lambda s: None, on_eval=on_eval)
+        try:
+            run_experiment(cfg, progress=False, echo=lambda s: None, on_eval=on_eval)
+        except SystemExit:
+            # Stopped by the scheduler (ASHA) or an interrupted sweep: run_experiment ended the
+            # run as FAILED (and released its actors); it was stopped, not broken.
+            if run_ids:
+                from mlflow.tracking import MlflowClient
+
+                client = MlflowClient(cfg.tracking.tracking_uri)
+                client.set_tag(run_ids[0], "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
+                client.set_terminated(run_ids[0], status="KILLED")
+            raise
 
     return rayfed_trial

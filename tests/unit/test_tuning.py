@@ -337,3 +337,36 @@ def test_cli_tune_check_exit_codes(tmp_path, capsys):
     assert main(["tune", str(bad), "--check"]) == 2
     assert "search_space.algorithm.lam" in capsys.readouterr().err
     assert main(["tune"]) == 2
+
+
+def test_asha_counts_server_versions_and_defaults_max_t_to_rounds():
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+
+    from rayfed_proto.tuning.sweep import _scheduler
+
+    spec = parse_sweep(sweep(scheduler={"name": "asha", "grace_period": 2, "reduction_factor": 3}), "s.yaml")
+    asha = _scheduler(spec)
+    assert isinstance(asha, ASHAScheduler) and asha._time_attr == "version"
+    assert asha._max_t == spec.base_config.federation.rounds and asha._reduction_factor == 3
+    assert isinstance(_scheduler(parse_sweep(sweep(), "s.yaml")), FIFOScheduler)
+
+
+def test_optuna_searcher_is_built_with_its_seed():
+    from ray.tune.search.optuna import OptunaSearch
+
+    from rayfed_proto.tuning.sweep import _searcher
+
+    spec = parse_sweep(sweep(searcher={"name": "optuna", "seed": 3}), "s.yaml")
+    assert isinstance(_searcher(spec), OptunaSearch)
+    assert _searcher(parse_sweep(sweep(), "s.yaml")) is None
+
+
+def test_a_driver_pinned_to_a_cpu_less_head_is_refused_with_the_fix():
+    head = {"CPU": 0.0, "node:10.0.0.1": 1.0}
+    worker = {"CPU": 8.0, "GPU": 1.0, "node:10.0.0.2": 1.0}
+    plan = trial_overrides(_trial_cfg(num_clients=4), TrialResources(), 0.5, driver_pin={"node:10.0.0.1": 0.001})
+    issues = check_fits_cluster(plan, [head, worker], {"CPU": 8.0, "GPU": 1.0})
+    assert issues[0].key == "trial_resources.driver_cpus" and "driver_cpus: 0" in issues[0].allowed
+    plan = trial_overrides(_trial_cfg(num_clients=4), TrialResources(driver_cpus=0), 0.5, driver_pin={"node:10.0.0.1": 0.001})
+    assert plan.bundles[0] == {"node:10.0.0.1": 0.001}
+    assert check_fits_cluster(plan, [head, worker], {"CPU": 8.0, "GPU": 1.0}) == []
