@@ -53,7 +53,7 @@ class LocalMlflowServer:
     """``with LocalMlflowServer(sqlite_uri) as uri:`` -> ``http://127.0.0.1:<free port>``."""
 
     def __init__(self, backend_store_uri: str, artifact_root: Optional[Path] = None, port: Optional[int] = None,
-                 log_path: Optional[Path] = None, startup_timeout_s: float = 60.0):
+                 log_path: Optional[Path] = None, startup_timeout_s: float = 180.0):
         if not backend_store_uri.startswith("sqlite:///"):
             raise ValueError(f"a local MLflow server needs a sqlite store, got {backend_store_uri!r}")
         db = Path(backend_store_uri[len("sqlite:///"):])
