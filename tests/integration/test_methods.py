@@ -16,8 +16,14 @@ def _method_overrides(name: str) -> list[str]:
     extra = []
     if ALGORITHMS.get(name).requires_homogeneous_models:
         extra.append("model.group=HtFE1")
-    if "server_epochs" in ALGORITHMS.get(name).Options.model_fields:
-        extra.append("algorithm.server_epochs=3")
+    fields = ALGORITHMS.get(name).Options.model_fields
+    for epochs in ("server_epochs", "generator_epochs"):
+        if epochs in fields:
+            extra.append(f"algorithm.{epochs}=3")
+    if "server_arch" in fields:
+        extra.append("algorithm.server_arch=cnn")  # the default ResNet34 is for GPUs
+    if "data.public_size" in ALGORITHMS.get(name).config_defaults:
+        extra.append("data.public_size=200")  # the default 2,500 exceeds the embedded digits' share
     return extra
 
 
@@ -42,6 +48,30 @@ def test_method_runs_through_actors_and_logs_to_mlflow(ray_session, tracking, me
     bank = result.output_dir / "global_prototypes.npz"
     if bank.exists():
         assert np.isfinite(np.load(bank)["vectors"]).all()
+    if cfg.data.global_test_fraction > 0:  # a method with a server-held model: its global accuracy per evaluation
+        assert sorted(m.step for m in client.get_metric_history(result.run_id, "global_acc")) == [0, 1, 2]
+        assert 0.0 <= last["global_acc"] <= 1.0
+
+
+def test_fedlsa_on_domain_skewed_data_logs_accuracy_per_domain(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, track + [
+        "algorithm.name=fedlsa", "algorithm.server_epochs=5", "data.name=digits_domains",
+        "data.domains=[original,inverted,tinted]", "data.partition.name=by_domain",
+        "data.partition.clients_per_domain=[1,2,1]", "model.group=HtFE1", "model.feature_dim=32",
+        "federation.num_clients=4", "resources.clients_per_actor=2", "federation.mode=sync",
+        "federation.rounds=2", "federation.eval_every=1"])
+    assert cfg.model.normalize_features and cfg.model.projector == "mlp"  # FedLSA's config defaults
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    client = MlflowClient(uri)
+    last = result.history[-1]
+    per_domain = [last[f"global_acc_{d}"] for d in ("original", "inverted", "tinted")]
+    assert last["global_acc_domain_mean"] == sum(per_domain) / 3
+    for d in ("original", "inverted", "tinted"):
+        assert [m.step for m in client.get_metric_history(result.run_id, f"global_acc_{d}")] == [0, 1, 2]
+    assert "global_acc_rotated" not in last  # a domain that was not selected
+    # nearest-anchor inference: FedLSA's anchors are the inference bank
+    assert 0.0 <= last["proto_acc"] <= 1.0
 
 
 def test_fedsap_semi_supervised_logs_pseudo_labels_per_version(ray_session, tracking):
