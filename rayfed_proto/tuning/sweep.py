@@ -7,6 +7,7 @@ store), which is all ``rayfed-proto tune --resume FOLDER`` needs to continue it.
 
 from __future__ import annotations
 
+import copy
 import csv
 import logging
 import math
@@ -165,8 +166,8 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         exp_path = f"{storage.rstrip('/')}/{exp_name}"
         parent_run_id = None
 
-    base_raw = dict(spec.base_raw)
-    absolute_paths(base_raw, cwd)
+    base_raw = copy.deepcopy(spec.base_raw)
+    absolute_paths(base_raw, cwd)  # trials run in their own folders; best.yaml keeps the paths as written
     _connect_ray(address, spec)
     import ray
 
@@ -207,7 +208,7 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         trainable = tune.with_resources(make_trainable(ctx), trial_resources_fn(ctx))
 
         if resume is None:
-            _write_state(exp_path, {"source": spec.source, "sweep": {**spec.file.model_dump(mode="json"), "base": spec.base_raw, "set": {}},
+            _write_state(exp_path, {"source": spec.source, "sweep": {**spec.file.model_dump(mode="json"), "base": base_raw, "set": {}},
                                     "store_uri": store_uri, "parent_run_id": parent_run_id, "output_dir": output_dir})
             tuner = tune.Tuner(
                 trainable, param_space=spec.param_space(),
@@ -238,11 +239,11 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         raise
     finally:
         if client is not None and parent_run_id is not None:
-            _close_children(client, spec, parent_run_id)
             try:
+                _close_children(client, spec, parent_run_id)
                 client.set_terminated(parent_run_id, status=status)
-            except Exception as e:  # the server may be gone already; the run stays RUNNING
-                log.warning("could not end the parent run %s: %s", parent_run_id, e)
+            except Exception as e:  # the server may be unreachable: the runs stay RUNNING, the sweep's outcome stands
+                log.warning("could not end the MLflow runs of sweep %s: %s", spec.name, e)
         if server is not None:
             server.stop()
 

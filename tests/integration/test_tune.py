@@ -1,0 +1,141 @@
+"""Real sweeps on the shared Ray instance (2 CPUs, 2 logical GPUs): two trials at once, each a
+whole federated run in its own placement group, logged as MLflow child runs through the sweep's
+own 127.0.0.1 tracking server; the best config runs; an interrupted sweep resumes."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from rayfed_proto.config import load_config
+from rayfed_proto.runtime.driver import run_experiment
+from rayfed_proto.tuning.mlflow_server import LocalMlflowServer
+from rayfed_proto.tuning.spec import parse_sweep
+from rayfed_proto.tuning.sweep import run_sweep
+
+pytestmark = pytest.mark.integration
+
+ROUNDS = 2
+
+
+def tiny_sweep(tmp_path, **kw):
+    raw = {
+        "name": "tiny",
+        "base": {"data": {"name": "digits", "partition": {"name": "dirichlet", "beta": 0.5, "min_samples": 20}},
+                 "model": {"group": "small_hetero", "feature_dim": 32},
+                 "algorithm": {"name": "fedproto"},
+                 "federation": {"mode": "sync", "num_clients": 4, "rounds": ROUNDS, "eval_every": 1},
+                 "tracking": {"experiment_name": "tune_test", "tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                              "output_dir": str(tmp_path / "runs")}},
+        "search_space": {"algorithm.lam": {"grid": [0.1, 1.0]}},
+        "num_samples": 1,
+        "max_concurrent_trials": 2,
+        # 0.25 + 0.25 + 2 x 0.25 = 1 CPU per trial: two trials fill the 2-CPU instance exactly
+        "trial_resources": {"driver_cpus": 0.25, "server_cpus": 0.25, "client_cpus": 0.25, "client_actors": 2},
+        "storage_path": str(tmp_path / "tune"),
+    }
+    raw.update(kw)
+    return parse_sweep(raw, "tiny.yaml", tmp_path)
+
+
+def children(client, parent_run_id):
+    exp = client.get_experiment_by_name("tune_test")
+    return client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'")
+
+
+def steps(client, run_id, key):
+    return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_session, tmp_path):
+    spec = tiny_sweep(tmp_path)
+    started = time.monotonic()
+    result = run_sweep(spec, verbose=0, echo=print)
+    print(f"2-trial sweep (2 concurrent): {time.monotonic() - started:.1f} s wall")
+
+    assert [r["status"] for r in result.ranked] == ["done", "done"]
+    assert sorted(r["algorithm.lam"] for r in result.ranked) == [0.1, 1.0]
+    assert result.ranked[0]["head_acc"] >= result.ranked[1]["head_acc"]
+
+    # the sweep's server is gone; the runs are in the sqlite store it served
+    client = MlflowClient(result.tracking_uri)
+    assert result.tracking_uri.startswith("sqlite:///")
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.metrics["trials"] == 2
+    arts = {f.path for f in client.list_artifacts(result.parent_run_id)}
+    assert {"trials.csv", "trials.txt", "best.yaml", "plots"} <= arts
+    assert [f.path for f in client.list_artifacts(result.parent_run_id, "plots")] == ["plots/head_acc_vs_params.png"]
+    kids = children(client, result.parent_run_id)
+    assert len(kids) == 2 and {k.info.run_id for k in kids} == {r["mlflow_run_id"] for r in result.ranked}
+    for kid in kids:  # concurrent writers lost nothing: every version of both runs is there
+        assert kid.info.status == "FINISHED"
+        assert steps(client, kid.info.run_id, "head_acc") == list(range(ROUNDS + 1))
+        assert steps(client, kid.info.run_id, "proto_acc") == list(range(1, ROUNDS + 1))
+        assert kid.data.params["resources.client_num_cpus"] == "0.25"  # the trial's bundle shares
+        assert kid.data.tags["mlflow.runName"].startswith("tiny-")
+
+    # the best config is a runnable YAML: validate it, then run it
+    cfg = load_config(result.best_yaml)
+    assert cfg.algorithm.options()["lam"] == result.ranked[0]["algorithm.lam"]
+    assert cfg.tracking.parent_run_id is None and cfg.tracking.tracking_uri == result.tracking_uri
+    cfg.federation.rounds = 1
+    cfg.federation.eval_every = 1
+    run = run_experiment(cfg, progress=False, echo=lambda s: None)
+    assert run.final_version == 1 and client.get_run(run.run_id).info.status == "FINISHED"
+
+
+def _finished_trials(storage: Path) -> int:
+    done = 0
+    for result in storage.glob("tiny-*/rayfed_trial_*/result.json"):
+        lines = [ln for ln in result.read_text().splitlines() if ln.strip()]
+        done += bool(lines) and json.loads(lines[-1]).get("version") == ROUNDS
+    return done
+
+
+def test_an_interrupted_sweep_resumes_and_finishes_every_trial(ray_session, tmp_path):
+    """Ctrl-C the CLI once the first of two one-at-a-time trials is done, then --resume."""
+    spec = tiny_sweep(tmp_path)
+    sweep_file = tmp_path / "tiny.yaml"
+    raw = {**spec.file.model_dump(mode="json"), "base": spec.base_raw, "max_concurrent_trials": 1}
+    sweep_file.write_text(yaml.safe_dump(raw))
+    address = ray_session.get_runtime_context().gcs_address
+    proc = subprocess.Popen([sys.executable, "-m", "rayfed_proto.cli", "tune", str(sweep_file), "--address", address,
+                             "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 600
+    while _finished_trials(tmp_path / "tune") < 1 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(1)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out
+    (folder,) = (tmp_path / "tune").glob("tiny-*")
+    assert f"rayfed-proto tune --resume {folder}" in out
+
+    resumed = run_sweep(resume=str(folder), verbose=0)
+    assert resumed.experiment_path == str(folder) and not resumed.interrupted
+    assert len(resumed.ranked) == 2 and all(r["version"] == ROUNDS and r["status"] == "done" for r in resumed.ranked)
+    assert sorted(r["algorithm.lam"] for r in resumed.ranked) == [0.1, 1.0]
+
+    client = MlflowClient(resumed.tracking_uri)
+    kids = children(client, resumed.parent_run_id)  # the interrupted trial's first run is KILLED, its rerun FINISHED
+    assert {k.info.status for k in kids} <= {"FINISHED", "KILLED"}
+    for row in resumed.ranked:
+        assert client.get_run(row["mlflow_run_id"]).info.status == "FINISHED"
+        assert steps(client, row["mlflow_run_id"], "head_acc") == list(range(ROUNDS + 1))
+    assert client.get_run(resumed.parent_run_id).info.status == "FINISHED"
+    assert load_config(resumed.best_yaml).algorithm.name == "fedproto"
+
+
+def test_local_mlflow_server_listens_on_loopback_only(tmp_path):
+    import psutil
+
+    with LocalMlflowServer(f"sqlite:///{tmp_path / 'm.db'}") as uri:
+        port = int(uri.rsplit(":", 1)[1])
+        listening = [c.laddr.ip for c in psutil.net_connections(kind="inet")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert listening and set(listening) == {"127.0.0.1"}
