@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
-from rayfed_proto.config import ConfigError, ExperimentConfig, InputError, load_config
+from rayfed_proto.config import ConfigError, ConfigIssue, ExperimentConfig, InputError, load_config
 
 EXIT_BAD_INPUT = 2
 
@@ -90,10 +90,21 @@ def cmd_list(args) -> int:
 
 
 def cmd_run(args) -> int:
-    cfg = _load(args)
     from rayfed_proto.runtime.driver import run_experiment
 
-    result = run_experiment(cfg, progress=not args.no_progress)
+    if args.resume:
+        if args.config is not None:
+            raise ConfigError([ConfigIssue(key="<config>", value=args.config,
+                                           allowed="omit it with --resume: the run's own config.yaml is used")])
+        saved = Path(args.resume) / "config.yaml"
+        if not saved.is_file():
+            raise InputError(f"{args.resume} is not the output folder of a run (no config.yaml in it); "
+                             "pass the folder printed as 'outputs:' or in the stop message")
+        # --set may change how it runs (resources, tracking, federation.rounds to extend it), not what it is
+        cfg = load_config(saved, args.set)
+    else:
+        cfg = _load(args)
+    result = run_experiment(cfg, progress=not args.no_progress, resume_dir=args.resume)
     print(result.summary)
     print(f"outputs: {result.output_dir}")
     if result.run_id:
@@ -145,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run one federated experiment")
     _add_config_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    p.add_argument("--resume", metavar="DIR", help="continue an interrupted run from the latest checkpoint in its output folder")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("validate", help="check a config without starting Ray")
     _add_config_args(p)
@@ -184,7 +196,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (InputError, DatasetNotFoundError, UnknownNameError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from rayfed_proto.runtime.driver import RunInterrupted
+
+        if isinstance(e, RunInterrupted):  # drained and checkpointed: say how to resume
+            print(f"\n{e}", file=sys.stderr)
+            return 143 if e.signal_name == "SIGTERM" else 130
         print("interrupted", file=sys.stderr)
         return 130
 

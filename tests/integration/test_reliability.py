@@ -138,3 +138,59 @@ def test_garbage_uploads_are_refused_and_counted(ray_session, tracking, kind):
     assert last["updates_refused"] == 3  # client 1, once per round
     assert last["updates_accepted"] == 9  # the other three clients, every round
     _assert_finite_bank(result)
+
+
+def _cli(args, env_address, tmp_path, **popen):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "rayfed_proto.cli", "run", "--no-progress", *args, "--set", f"resources.address={env_address}"]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env, **popen)
+
+
+def _wait_for_checkpoint(runs, version, proc, timeout=300):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = list(runs.glob(f"*/checkpoints/v{version:06d}/manifest.json"))
+        if found:
+            return found[0].parent.parent.parent
+        assert proc.poll() is None, f"run ended before checkpoint {version}: {proc.stdout.read()}"
+        time.sleep(0.5)
+    raise AssertionError(f"no checkpoint of version {version} within {timeout} s")
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_driver_stopped_or_killed_then_resumed_from_the_command_line(ray_session, tracking, tmp_path, how):
+    """SIGTERM: the driver drains, checkpoints, ends the MLflow run KILLED and exits 143 saying how to
+    resume. SIGKILL (the driver dies): nothing runs on exit, the last periodic checkpoint is the
+    resume point. Either way ``run --resume`` finishes the same MLflow run."""
+    import signal
+
+    uri, track = tracking
+    address = ray.get_runtime_context().gcs_address
+    sets = [x for o in SMALL + track + ["federation.mode=sync", "federation.rounds=6", "checkpoint.every=1"]
+            for x in ("--set", o)]
+    proc = _cli(sets, address, tmp_path)
+    out = _wait_for_checkpoint(tmp_path / "runs", 2, proc)
+    proc.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGKILL)
+    output = proc.communicate(timeout=300)[0]
+    run_id = checkpoint_store(build_config({}, SMALL + track), out).latest().manifest["run_id"]
+    client = MlflowClient(uri)
+    if how == "SIGTERM":
+        assert proc.returncode == 143, output
+        assert f"rayfed-proto run --resume {out}" in output
+        assert client.get_run(run_id).info.status == "KILLED"
+    else:
+        assert proc.returncode == -signal.SIGKILL
+        assert client.get_run(run_id).info.status == "RUNNING"  # nobody could end it: resume takes it over
+
+    resumed = _cli(["--resume", str(out)], address, tmp_path)
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output
+    assert client.get_run(run_id).info.status == "FINISHED"
+    steps = sorted({m.step for m in client.get_metric_history(run_id, "head_acc")})
+    assert steps == list(range(7))  # every version logged in the one run, before and after
