@@ -318,23 +318,18 @@ def parse_sweep(raw: Any, source: str = "<sweep>", source_dir: Path | None = Non
     source_dir = source_dir or Path.cwd()
     if not isinstance(raw, dict):
         raise ConfigError([ConfigIssue(key="<root>", value=type(raw).__name__, allowed="a mapping (a sweep file)")], source)
+    issues: list[ConfigIssue] = []
+    sweep: Optional[SweepFile] = None
     try:
         sweep = SweepFile(**raw)
-    except ValidationError as err:
-        raise ConfigError(_issues_from_validation(err, raw), source) from None
+    except ValidationError as err:  # reported together with the search space's problems below
+        issues.extend(_issues_from_validation(err, raw))
 
-    issues: list[ConfigIssue] = []
-    base_raw = _resolve_base(sweep.base, source_dir, issues)
-    for key, value in sweep.set.items():
-        set_dotted(base_raw, key, value)
-    for item in overrides or []:
-        key, value = parse_override(item)
-        set_dotted(base_raw, key, value)
-
+    space_raw = raw.get("search_space") if isinstance(raw.get("search_space"), dict) else {}
     space: dict[str, Distribution] = {}
-    if not sweep.search_space:
+    if not space_raw and sweep is not None:
         issues.append(ConfigIssue(key="search_space", value={}, allowed="at least one swept key"))
-    for key, spec in sweep.search_space.items():
+    for key, spec in space_raw.items():
         if key.startswith(RESERVED_PREFIXES):
             issues.append(ConfigIssue(key=f"search_space.{key}", value=spec, allowed=(
                 "not sweepable: each trial's resources.* are set from trial_resources and tracking.* by the sweep")))
@@ -347,6 +342,14 @@ def parse_sweep(raw: Any, source: str = "<sweep>", source_dir: Path | None = Non
         issues.extend(problems)
         if dist is not None:
             space[key] = dist
+    if sweep is None:
+        raise ConfigError(issues, source)
+    base_raw = _resolve_base(sweep.base, source_dir, issues)
+    for key, value in sweep.set.items():
+        set_dotted(base_raw, key, value)
+    for item in overrides or []:
+        key, value = parse_override(item)
+        set_dotted(base_raw, key, value)
     if sweep.searcher is not None and any(d.kind == "grid" for d in space.values()):
         issues.append(ConfigIssue(key="searcher", value=sweep.searcher.name, allowed=(
             "null with grid: distributions (optuna samples; use choice instead of grid)")))

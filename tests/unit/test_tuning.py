@@ -99,8 +99,10 @@ def test_bad_distributions_name_key_value_and_what_is_allowed(spec, allowed):
 
 
 def test_unknown_sweep_key_and_bad_scheduler_are_reported_together():
-    issues = issues_of(sweep(num_sample=3, scheduler={"name": "hyperband"}, metric="acc"))
+    issues = issues_of(sweep(num_sample=3, scheduler={"name": "hyperband"}, metric="acc",
+                             search_space={"algorithm.lam": {"loguniform": [0, 1]}}))
     by_key = {i.key: i for i in issues}
+    assert "0 < low < high" in by_key["search_space.algorithm.lam"].allowed  # one report, all problems
     assert by_key["num_sample"].allowed == "unknown key"
     assert "fifo" in by_key["scheduler.name"].allowed and "asha" in by_key["scheduler.name"].allowed
     assert "head_acc" in by_key["metric"].allowed
