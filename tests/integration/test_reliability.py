@@ -194,3 +194,40 @@ def test_driver_stopped_or_killed_then_resumed_from_the_command_line(ray_session
     assert client.get_run(run_id).info.status == "FINISHED"
     steps = sorted({m.step for m in client.get_metric_history(run_id, "head_acc")})
     assert steps == list(range(7))  # every version logged in the one run, before and after
+
+
+def test_async_run_stopped_and_resumed_continues_the_same_run(ray_session, tracking):
+    # async: no exact-equality promise (arrival order depends on timing), but the stop drains the
+    # running updates before its checkpoint, so nothing in flight is lost and the versions continue
+    uri, track = tracking
+    common = SMALL + track + ["federation.mode=async", "federation.rounds=6", "federation.buffer_size=2",
+                              "federation.concurrency=2", "checkpoint.every=0"]
+    with pytest.raises(RunInterrupted) as stopped:
+        run_experiment(build_config({}, common + ["faults.stop_at_version=3"]), **QUIET)
+    out = stopped.value.output_dir
+    ckpt = checkpoint_store(build_config({}, common), out).latest()
+    assert ckpt is not None and ckpt.version >= 3  # written on the stop although periodic checkpoints are off
+    resumed = run_experiment(build_config({}, common), resume_dir=out, **QUIET)
+    assert resumed.final_version == 6 and resumed.run_id == ckpt.manifest["run_id"]
+    steps = sorted({m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, "head_acc")})
+    assert steps == list(range(7))
+    last = resumed.history[-1]
+    assert last["updates_lost_client"] == 0 and last["updates_lost_server"] == 0
+    _assert_finite_bank(resumed)
+
+
+def test_async_server_killed_is_recreated_and_the_run_finishes(ray_session, tracking):
+    _, track = tracking
+    killed = []
+
+    def kill_server_once(version, metrics):
+        if version >= 3 and not killed:
+            ray.kill(ray.get_actor(_named("server")), no_restart=True)
+            killed.append(version)
+
+    cfg = build_config({}, SMALL + track + ["federation.mode=async", "federation.rounds=8", "federation.buffer_size=1",
+                                            "federation.concurrency=2", "checkpoint.every=2"])
+    result = run_experiment(cfg, on_eval=kill_server_once, **QUIET)
+    assert killed and result.final_version == 8
+    assert result.history[-1]["server_restarts"] == 1
+    _assert_finite_bank(result)
