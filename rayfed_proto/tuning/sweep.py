@@ -260,6 +260,20 @@ def _interrupted(exp_path: str, ranked: list[dict[str, Any]]) -> bool:
         return any(r["status"] == "not run" for r in ranked)
 
 
+def _mark_stopped(client, rows: list[dict[str, Any]]) -> None:
+    """A trial stopped early (by ASHA) dies inside its run, which then ends FAILED (or stays
+    RUNNING if the trial's process was killed first): it was stopped, not broken."""
+    for row in rows:
+        if row["status"] != "stopped" or not row.get("mlflow_run_id"):
+            continue
+        try:
+            if client.get_run(row["mlflow_run_id"]).info.status in ("FAILED", "RUNNING"):
+                client.set_tag(row["mlflow_run_id"], "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
+                client.set_terminated(row["mlflow_run_id"], status="KILLED")
+        except Exception as e:  # the ranking matters more than the status of one run
+            log.warning("could not mark run %s as stopped: %s", row["mlflow_run_id"], e)
+
+
 def _close_children(client, spec: SweepSpec, parent_run_id: str) -> None:
     """Trials stopped by the scheduler, or killed with an interrupted sweep, die inside
     run_experiment and leave their child runs RUNNING: end them as KILLED."""
@@ -296,6 +310,8 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
         rows.append({"trial": last.get("trial_id") or Path(res.path or "?").name, **{k: config.get(k) for k in spec.space},
                      metric: last.get(metric), f"{metric}_best": best_value, "version": last.get("version"),
                      "status": status, "mlflow_run_id": last.get("mlflow_run_id")})
+    if client is not None:
+        _mark_stopped(client, rows)
     ranked = rank_trials(rows, metric, mode)
     table = format_table(ranked, list(spec.space), metric)
     echo(f"\ntrials ranked by {metric} (last evaluation, {mode}):\n{table}")

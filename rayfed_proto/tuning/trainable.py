@@ -99,8 +99,15 @@ def make_trainable(ctx: TrialContext):
                 report["mlflow_run_id"] = run_ids[0] if run_ids else None
             if ctx.metric not in metrics:  # proto_acc has no value before the first bank (version 0)
                 return
+            if version >= cfg.federation.rounds:
+                # The last evaluation is reported once the run has ended: a scheduler stops a
+                # trial at its last report (ASHA at max_t), which would cut the run before its
+                # final artifacts and leave it FAILED.
+                final.append(report)
+                return
             tune.report(report)  # raises SystemExit when the scheduler stops this trial
 
+        final: list[dict[str, Any]] = []
         try:
             run_experiment(cfg, progress=False, echo=lambda s: None, on_eval=on_eval)
         except SystemExit:
@@ -113,5 +120,7 @@ def make_trainable(ctx: TrialContext):
                 client.set_tag(run_ids[0], "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
                 client.set_terminated(run_ids[0], status="KILLED")
             raise
+        for report in final:
+            tune.report(report)
 
     return rayfed_trial

@@ -54,7 +54,9 @@ def steps(client, run_id, key):
 
 
 def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_session, tmp_path):
-    spec = tiny_sweep(tmp_path)
+    # ASHA stops every trial at its report of version max_t (= rounds): the run must still end
+    # FINISHED with its final artifacts (the last evaluation is reported after the run)
+    spec = tiny_sweep(tmp_path, scheduler={"name": "asha", "grace_period": ROUNDS})
     started = time.monotonic()
     result = run_sweep(spec, verbose=0, echo=print)
     print(f"2-trial sweep (2 concurrent): {time.monotonic() - started:.1f} s wall")
@@ -75,6 +77,7 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
     assert len(kids) == 2 and {k.info.run_id for k in kids} == {r["mlflow_run_id"] for r in result.ranked}
     for kid in kids:  # concurrent writers lost nothing: every version of both runs is there
         assert kid.info.status == "FINISHED"
+        assert "summary.txt" in {f.path for f in client.list_artifacts(kid.info.run_id)}
         assert steps(client, kid.info.run_id, "head_acc") == list(range(ROUNDS + 1))
         assert steps(client, kid.info.run_id, "proto_acc") == list(range(1, ROUNDS + 1))
         assert kid.data.params["resources.client_num_cpus"] == "0.25"  # the trial's bundle shares
