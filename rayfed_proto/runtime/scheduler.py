@@ -123,6 +123,7 @@ class Scheduler:
         self.backlog = 0  # accepted updates waiting at the server (latest report) ...
         self.backlog_version = 0  # ... and the server version it was read at
         self.unreported_submits = 0  # submitted, receipt not back yet
+        self.submits_since_version = 0  # sync: submitted in the running round
         self.eval_actor: dict[Any, int] = {}  # eval ref -> actor index
         self.eval_incomplete: set[int] = set()
         self.orphans: set = set()  # update refs trained against a server that died
@@ -246,6 +247,7 @@ class Scheduler:
             return
         self.receipt_refs.add(self.server.submit.remote(update_ref))
         self.unreported_submits += 1
+        self.submits_since_version += 1
 
     def _client_actor_died(self, a: int, client: Optional[int], err: BaseException) -> None:
         """A client actor died (noticed through ``client``'s update, or an evaluation when None):
@@ -302,11 +304,14 @@ class Scheduler:
         if self.stats.server_restarts > self.max_server_failures or self.restart_server is None:
             raise RuntimeError(f"server actor died ({self.stats.server_restarts} times; limit "
                                f"reliability.max_server_failures={self.max_server_failures})") from err
-        lost_in_flight = len(self.train_refs) + self.unreported_submits + self.backlog
+        # submitted but not yet in a version: sync, this round's submissions (the buffer empties at
+        # each step); async, the latest backlog reading plus submissions not yet acknowledged
+        at_server = self.submits_since_version if self.mode == "sync" else self.backlog + self.unreported_submits
         self.server, restored = self.restart_server()
-        log.warning("server actor died (%s); recreated at version %d (was %d); %d updates lost",
-                    type(err).__name__, restored, self.version, lost_in_flight)
-        self.stats.updates_lost_server += self.unreported_submits + self.backlog
+        log.warning("server actor died (%s); recreated at version %d (was %d); %d updates lost at the server, "
+                    "%d in flight", type(err).__name__, restored, self.version, at_server, len(self.train_refs))
+        self.stats.updates_lost_server += at_server
+        self.submits_since_version = 0
         self.stats.versions_redone += max(0, self.version - restored)
         self.orphans.update(update_ref for _, update_ref in self.train_refs.values())
         self.version = restored
@@ -354,6 +359,8 @@ class Scheduler:
             self._on_new_version(version, state_ref)
 
     def _on_new_version(self, new_version: int, state_ref) -> None:
+        if self.mode == "sync":
+            self.submits_since_version = 0  # the round's step consumed them
         # each version is evaluated against its own state, whatever order versions are seen in
         if self._eval_due(new_version):
             self._start_eval(new_version, state_ref)

@@ -121,6 +121,8 @@ def test_killed_server_actor_is_recreated_from_the_checkpoint(ray_session, track
     last = result.history[-1]
     assert last["server_restarts"] == 1
     assert last["versions_redone"] >= 1  # version 3 existed only on the dead server: redone from the checkpoint of 2
+    # at most one round's updates (4 clients) die with the server: in flight, submitted or buffered
+    assert last["updates_lost_server"] <= 4
     versions = [h["version"] for h in result.history]
     assert versions[-1] == 6 and set(range(7)) <= set(versions)
     assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
