@@ -413,7 +413,8 @@ class Scheduler:
 
     # ---------------------------------------------------------------------------- metrics
     def _metrics(self, version: int, results: list[dict], server: dict, stats: SchedulerStats, wall: float) -> dict[str, Any]:
-        results = [r for r in results if r["n"] > 0]  # a client without test samples has no accuracy
+        # client order, not arrival order: float means must not depend on which actor answered first
+        results = sorted((r for r in results if r["n"] > 0), key=lambda r: r["client_id"])  # no test samples: no accuracy
         n = np.array([r["n"] for r in results], float)
         head = np.array([r["head_correct"] for r in results], float)
         m: dict[str, Any] = {
@@ -428,7 +429,7 @@ class Scheduler:
         # every term a method reports from local training (loss, its parts, pseudo-label counts ...):
         # the mean over clients of each one's latest update, as train_<term>
         for key in sorted({k for terms in stats.last_terms.values() for k in terms}):
-            values = [t[key] for t in stats.last_terms.values() if key in t and math.isfinite(t[key])]
+            values = [t[key] for _, t in sorted(stats.last_terms.items()) if key in t and math.isfinite(t[key])]
             m[f"train_{key}"] = float(np.mean(values)) if values else float("nan")
         m["clients_nonfinite"] = sum(1 for r in results if r.get("nonfinite"))  # models that produce NaN/inf features
         silhouettes = [r["silhouette"] for r in results if r.get("silhouette") is not None]

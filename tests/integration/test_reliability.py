@@ -25,6 +25,21 @@ def _named(part: str) -> str:
     return matches[-1]
 
 
+def _killer(part: str, at_versions: set[int], first_at_or_after: bool = False):
+    """An on_eval hook that kills this run's ``part`` actor once at each version in ``at_versions``
+    (or, with ``first_at_or_after``, once at the first evaluation at or after min(at_versions));
+    returns (hook, versions at which it killed)."""
+    done: list[int] = []
+
+    def hook(version, metrics):
+        due = (not done and version >= min(at_versions)) if first_at_or_after else (version in at_versions and version not in done)
+        if due:
+            ray.kill(ray.get_actor(_named(part)), no_restart=True)
+            done.append(version)
+
+    return hook, done
+
+
 def _history(client, run_id, key):
     return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
 
@@ -65,14 +80,7 @@ def test_sync_run_stopped_and_resumed_matches_an_uninterrupted_run(ray_session, 
 
 def test_killed_client_actor_is_recreated_and_the_run_finishes(ray_session, tracking):
     uri, track = tracking
-    killed = []
-
-    def kill_once(version, metrics):
-        if version == 2 and not killed:
-            name = _named("client:0")
-            ray.kill(ray.get_actor(name), no_restart=True)
-            killed.append(name)
-
+    kill_once, killed = _killer("client:0", {2})
     cfg = build_config({}, SMALL + track + ["federation.mode=async", "federation.rounds=8", "federation.buffer_size=1",
                                             "federation.concurrency=2", "checkpoint.every=2"])
     result = run_experiment(cfg, on_eval=kill_once, **QUIET)
@@ -89,13 +97,7 @@ def test_killed_client_actor_is_recreated_and_the_run_finishes(ray_session, trac
 
 def test_client_failing_beyond_the_limit_is_excluded_not_fatal(ray_session, tracking):
     _, track = tracking
-    kills = []
-
-    def kill_client_zero_each_time(version, metrics):
-        if version in (1, 2) and len(kills) < 2:
-            ray.kill(ray.get_actor(_named("client:0")), no_restart=True)
-            kills.append(version)
-
+    kill_client_zero_each_time, kills = _killer("client:0", {1, 2})
     # sync mode: client 0 is in every round (participation 1), so each kill costs its update
     cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=5",
                                             "reliability.max_client_failures=1", "checkpoint.every=0"])
@@ -108,13 +110,7 @@ def test_client_failing_beyond_the_limit_is_excluded_not_fatal(ray_session, trac
 
 def test_killed_server_actor_is_recreated_from_the_checkpoint(ray_session, tracking):
     uri, track = tracking
-    killed = []
-
-    def kill_server_once(version, metrics):
-        if version == 3 and not killed:
-            ray.kill(ray.get_actor(_named("server")), no_restart=True)
-            killed.append(version)
-
+    kill_server_once, killed = _killer("server", {3})
     cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=6", "checkpoint.every=2"])
     result = run_experiment(cfg, on_eval=kill_server_once, **QUIET)
     assert killed and result.final_version == 6
@@ -220,13 +216,7 @@ def test_async_run_stopped_and_resumed_continues_the_same_run(ray_session, track
 
 def test_async_server_killed_is_recreated_and_the_run_finishes(ray_session, tracking):
     _, track = tracking
-    killed = []
-
-    def kill_server_once(version, metrics):
-        if version >= 3 and not killed:
-            ray.kill(ray.get_actor(_named("server")), no_restart=True)
-            killed.append(version)
-
+    kill_server_once, killed = _killer("server", {3}, first_at_or_after=True)
     cfg = build_config({}, SMALL + track + ["federation.mode=async", "federation.rounds=8", "federation.buffer_size=1",
                                             "federation.concurrency=2", "checkpoint.every=2"])
     result = run_experiment(cfg, on_eval=kill_server_once, **QUIET)
