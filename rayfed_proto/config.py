@@ -427,6 +427,11 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
                 f"architecture; use a single-architecture group ({', '.join(g for g in MODEL_GROUPS.names() if len(set(MODEL_GROUPS.get(g))) == 1)})",
             ))
 
+    if algo_cls is not None and algo_cls.config_defaults.get("data.public_size") and not cfg.data.public_size:
+        issues.append(ConfigIssue(key="data.public_size", value=cfg.data.public_size,
+                                  allowed=f"at least 1: {cfg.algorithm.name} distils through a public proxy set "
+                                  f"(default {algo_cls.config_defaults['data.public_size']})"))
+
     if cfg.data.name in ("npz", "folder") and not cfg.data.path:
         issues.append(ConfigIssue(key="data.path", value=None, allowed=f"a path is required when data.name is {cfg.data.name!r}"))
 

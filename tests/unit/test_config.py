@@ -127,3 +127,9 @@ def test_algorithm_config_defaults_apply_only_where_the_user_left_the_key_unset(
 def test_corrupt_client_ids_must_exist():
     issues, _ = issues_of({"federation": {"num_clients": 3}, "faults": {"corrupt_clients": [0, 5]}})
     assert issues["faults.corrupt_clients"].allowed == "client ids in 0..2"
+
+
+def test_a_method_that_needs_a_public_set_refuses_public_size_zero():
+    issues, _ = issues_of({"algorithm": {"name": "fedprotokd"}, "data": {"public_size": 0}})
+    assert issues["data.public_size"].allowed.startswith("at least 1: fedprotokd distils through a public proxy set")
+    assert build_config({"algorithm": {"name": "fedprotokd"}}).data.public_size == 2500  # its default
