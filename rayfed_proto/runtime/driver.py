@@ -78,9 +78,11 @@ def run_experiment(
     progress: bool = True,
     echo: Callable[[str], None] = print,
     on_eval: Optional[Callable[[int, dict[str, Any]], None]] = None,
+    on_version: Optional[Callable[[int], None]] = None,
     resume_dir: Optional[str | Path] = None,
 ) -> RunResult:
-    """Run ``cfg``; ``on_eval(version, metrics)`` is called after each evaluation (Tune uses it).
+    """Run ``cfg``; ``on_eval(version, metrics)`` is called after each evaluation (Tune uses it),
+    ``on_version(version)`` as soon as the driver learns of a new version.
 
     ``resume_dir``: the output folder of an interrupted run; it continues from its latest
     checkpoint with the same partition, version counter, sampling sequence and MLflow run.
@@ -238,13 +240,13 @@ def run_experiment(
         def handle_version(version: int) -> None:
             if bar is not None:
                 bar.update(max(0, version - bar.n))
+            if on_version is not None:
+                on_version(version)
 
-        def write_checkpoint(version: int) -> None:
-            server_snap = ray.get(handles["server"].snapshot.remote())
-            snaps = [ray.get(a.snapshot.remote()) for a in scheduler.actors]  # one actor at a time: bounded memory
-            clients = ((c, st) for states, _ in snaps for c, st in states.items())
+        def write_checkpoint(version: int, server_snap: dict[str, Any], actor_snaps: list) -> None:
+            clients = ((c, st) for states, _ in actor_snaps for c, st in states.items())
             path = store.save(server_snap["core"]["version"], server=server_snap, clients=clients,
-                              actor_rng={a: rng for a, (_, rng) in enumerate(snaps)},
+                              actor_rng={a: rng for a, (_, rng) in enumerate(actor_snaps)},
                               driver={"scheduler": scheduler.state_dict(), "history": list(history)}, run_id=run_id)
             log.info("checkpoint written: %s", path)
 
@@ -277,10 +279,11 @@ def run_experiment(
         if bar is not None:
             bar.close()
 
-        placements = ray.get([a.info.remote() for a in scheduler.actors] + [scheduler.server.info.remote()])  # peak memory at the end
-        tracker.log_metrics({"peak_rss_mib_client_actor_max": max(p["peak_rss_mib"] for p in placements[:-1]),
-                             "pss_mib_client_actor_max": max(p["pss_mib"] for p in placements[:-1]),
-                             "pss_mib_client_actors_total": sum(p["pss_mib"] for p in placements[:-1]),
+        placements = _alive_infos(scheduler.actors + [scheduler.server])  # peak memory at the end
+        clients_mem = placements[:-1]
+        tracker.log_metrics({"peak_rss_mib_client_actor_max": float(np.nanmax([p["peak_rss_mib"] for p in clients_mem])),
+                             "pss_mib_client_actor_max": float(np.nanmax([p["pss_mib"] for p in clients_mem])),
+                             "pss_mib_client_actors_total": float(np.nansum([p["pss_mib"] for p in clients_mem])),
                              "peak_rss_mib_server": placements[-1]["peak_rss_mib"]}, step=final_version)
         bank = ray.get(scheduler.server.guidance_bank.remote())
         _write_final_artifacts(out, tracker, history, bank, class_names, cfg)
@@ -306,6 +309,20 @@ def run_experiment(
         if scheduler is not None:
             handles["actors"], handles["server"] = scheduler.actors, scheduler.server
         _shutdown_actors(list(handles["actors"]) + ([handles["server"]] if handles["server"] is not None else []))
+
+
+def _alive_infos(handles: list) -> list[dict[str, Any]]:
+    """Placement and memory of each actor; one that died after the last version reports NaNs."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    out = []
+    for h in handles:
+        try:
+            out.append(ray.get(h.info.remote()))
+        except RayActorError:
+            out.append({"dead": True, "peak_rss_mib": float("nan"), "pss_mib": float("nan")})
+    return out
 
 
 def _reliability_metrics(scheduler) -> dict[str, float]:

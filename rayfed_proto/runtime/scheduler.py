@@ -78,7 +78,7 @@ class Scheduler:
         on_eval: Callable[[int, dict[str, Any]], None],
         on_version: Optional[Callable[[int], None]] = None,
         checkpoint_every: int = 0,
-        on_checkpoint: Optional[Callable[[int], None]] = None,
+        on_checkpoint: Optional[Callable[[int, dict[str, Any], list[tuple[dict, Any]]], None]] = None,
         restart_client_actor: Optional[Callable[[int], Any]] = None,
         restart_server: Optional[Callable[[], tuple[Any, int]]] = None,
         max_client_failures: int = 3,
@@ -457,12 +457,27 @@ class Scheduler:
                 and not (self.mode == "sync" and (self.round_queue or self.round_outstanding)))
 
     def _checkpoint(self) -> None:
+        """Snapshot the server and every client actor (at a quiet point) and hand them to
+        ``on_checkpoint``. An actor found dead here is handled like any other death first."""
         self.checkpoint_due = False
         self.drain_started = None
-        if self.on_checkpoint is not None and self.last_checkpoint_version != self.version:
-            self.on_checkpoint(self.version)
-            self.last_checkpoint_version = self.version
-            self.stats.checkpoints += 1
+        if self.on_checkpoint is None or self.last_checkpoint_version == self.version:
+            return
+        try:
+            server_snap = ray.get(self.server.snapshot.remote())
+        except RayActorError as err:  # restored from the previous checkpoint: nothing new to save
+            self._server_died(err)
+            return
+        actor_snaps = []
+        for a in range(len(self.actors)):
+            try:
+                actor_snaps.append(ray.get(self.actors[a].snapshot.remote()))
+            except RayActorError as err:  # recreated from the previous checkpoint: that is its state now
+                self._client_actor_died(a, None, err)
+                actor_snaps.append(ray.get(self.actors[a].snapshot.remote()))
+        self.on_checkpoint(self.version, server_snap, actor_snaps)
+        self.last_checkpoint_version = self.version
+        self.stats.checkpoints += 1
 
     def _check_drain_timeout(self) -> None:
         if not self._draining():

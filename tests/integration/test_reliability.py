@@ -95,6 +95,27 @@ def test_killed_client_actor_is_recreated_and_the_run_finishes(ray_session, trac
     _assert_finite_bank(result)
 
 
+def test_client_actor_dead_when_its_checkpoint_snapshot_is_taken(ray_session, tracking):
+    # killed right after version 2 exists, before that version's checkpoint: the snapshot call finds
+    # it dead; it is recreated (from the checkpoint before, or re-initialised) and snapshotted again
+    _, track = tracking
+    killed = []
+
+    def kill_at_version_two(version):
+        if version == 2 and not killed:
+            ray.kill(ray.get_actor(_named("client:0")), no_restart=True)
+            killed.append(version)
+
+    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=4", "checkpoint.every=2",
+                                            "checkpoint.keep=3"])
+    result = run_experiment(cfg, on_version=kill_at_version_two, **QUIET)
+    assert killed and result.final_version == 4
+    assert result.history[-1]["client_failures"] == 1
+    ckpt = checkpoint_store(cfg, result.output_dir).latest()
+    assert ckpt.version == 2 and ckpt.manifest["clients"] == [0, 1, 2, 3]  # written, with every client
+    _assert_finite_bank(result)
+
+
 def test_client_failing_beyond_the_limit_is_excluded_not_fatal(ray_session, tracking):
     _, track = tracking
     kill_client_zero_each_time, kills = _killer("client:0", {1, 2})
