@@ -232,7 +232,7 @@ class Scheduler:
         try:
             meta = ray.get(ref)
         except RayActorError as err:
-            self._client_actor_died(self.actor_of[client], client, err)
+            self._client_actor_died(self.actor_of[client], (client, update_ref), err)
             return
         if update_ref in self.orphans:  # trained against a server that has since died
             self.orphans.discard(update_ref)
@@ -249,13 +249,14 @@ class Scheduler:
         self.unreported_submits += 1
         self.submits_since_version += 1
 
-    def _client_actor_died(self, a: int, client: Optional[int], err: BaseException) -> None:
-        """A client actor died (noticed through ``client``'s update, or an evaluation when None):
+    def _client_actor_died(self, a: int, lost: Optional[tuple[int, Any]], err: BaseException) -> None:
+        """A client actor died (noticed through ``lost`` = (client, update ref), or an evaluation
+        when None):
         the updates in flight on it are lost, it is recreated (from the last checkpoint of its
         clients, or re-initialised), and each client it hosts has one more failure; a client over
         ``max_client_failures`` is excluded from sampling instead of failing the run."""
-        if client is not None:
-            self._lose_update(client)
+        if lost is not None:
+            self._lose_update(*lost)
         self.stats.client_failures += 1
         log.warning("client actor %d (clients %s) died: %s", a, self.actor_clients[a], type(err).__name__)
         for c in self.actor_clients[a]:
@@ -268,10 +269,10 @@ class Scheduler:
                     self.round_queue.remove(c)
                     self.round_outstanding -= 1
         # every other call queued on the dead actor fails too: drop them here, once per death
-        for ref, (c, _) in list(self.train_refs.items()):
+        for ref, (c, update_ref) in list(self.train_refs.items()):
             if self.actor_of[c] == a:
                 del self.train_refs[ref]
-                self._lose_update(c)
+                self._lose_update(c, update_ref)
         lost_evals = [(ref, v) for ref, v in self.eval_refs.items() if self.eval_actor.get(ref) == a]
         for ref, _ in lost_evals:
             del self.eval_refs[ref]
@@ -284,7 +285,11 @@ class Scheduler:
             self._eval_part_lost(version)
         self._maybe_step()
 
-    def _lose_update(self, client: int) -> None:
+    def _lose_update(self, client: int, update_ref) -> None:
+        if update_ref in self.orphans:  # already lost with a dead server; its round was abandoned
+            self.orphans.discard(update_ref)
+            self.stats.updates_lost_server += 1
+            return
         self.stats.updates_lost_client += 1
         if self.mode == "sync":
             self.round_outstanding -= 1  # the round goes on without this update

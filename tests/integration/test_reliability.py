@@ -244,3 +244,24 @@ def test_async_server_killed_is_recreated_and_the_run_finishes(ray_session, trac
     assert killed and result.final_version == 8
     assert result.history[-1]["server_restarts"] == 1
     _assert_finite_bank(result)
+
+
+def test_server_and_a_client_killed_together_the_run_still_finishes(ray_session, tracking):
+    # the client's update in flight was trained against the dead server: lost once, counted once,
+    # and the abandoned round's bookkeeping must not stall the next round
+    _, track = tracking
+    killed = []
+
+    def kill_both(version, metrics):
+        if version == 3 and not killed:
+            ray.kill(ray.get_actor(_named("server")), no_restart=True)
+            ray.kill(ray.get_actor(_named("client:0")), no_restart=True)
+            killed.append(version)
+
+    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=5", "checkpoint.every=2"])
+    result = run_experiment(cfg, on_eval=kill_both, **QUIET)
+    assert killed and result.final_version == 5
+    last = result.history[-1]
+    assert last["server_restarts"] == 1 and last["client_failures"] == 1
+    assert last["updates_lost_client"] + last["updates_lost_server"] <= 4  # at most the one round in flight
+    _assert_finite_bank(result)
