@@ -187,7 +187,8 @@ def run_experiment(
         if ckpt is not None:
             start_version = ray.get(handles["server"].restore.remote(ckpt.server_state()))
             rngs = ckpt.actor_rng()
-            ray.get([actor.restore.remote({c: ckpt.client_state(c) for c in groups[a]}, rngs.get(a))
+            saved = {c: ckpt.client_state(c) for c in range(fed.num_clients)}
+            ray.get([actor.restore.remote({c: saved[c] for c in groups[a] if saved[c] is not None}, rngs.get(a))
                      for a, actor in enumerate(handles["actors"])])
 
         def restart_client_actor(a: int):
