@@ -244,7 +244,9 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """``d['a']['b']['c'] = value`` for ``'a.b.c'``, creating missing (or null) sections; a scalar
+    where a section is needed is a ConfigError naming the key."""
     parts = dotted.split(".")
     cur = d
     for p in parts[:-1]:
@@ -322,7 +324,7 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
         raise ConfigError([ConfigIssue(key="<root>", value=type(raw).__name__, allowed="a mapping")], source)
     for item in overrides or []:
         key, value = parse_override(item)
-        _set_dotted(raw, key, value)
+        set_dotted(raw, key, value)
     _apply_algorithm_defaults(raw)
     try:
         cfg = ExperimentConfig(**raw)
@@ -356,7 +358,7 @@ def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     for dotted, value in defaults.items():
         if _dig(raw, tuple(dotted.split("."))) is None:
             try:
-                _set_dotted(raw, dotted, copy.deepcopy(value))
+                set_dotted(raw, dotted, copy.deepcopy(value))
             except ConfigError:
                 pass  # a section given as a non-mapping: validation reports it
 

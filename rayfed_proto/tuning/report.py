@@ -8,8 +8,8 @@ from typing import Any, Optional
 
 import yaml
 
-from rayfed_proto.config import ExperimentConfig, build_config
-from rayfed_proto.tuning.spec import Distribution, SweepSpec, set_dotted
+from rayfed_proto.config import ExperimentConfig, build_config, set_dotted
+from rayfed_proto.tuning.spec import Distribution, SweepSpec
 
 
 def _is_number(v: Any) -> bool:

@@ -40,6 +40,7 @@ from rayfed_proto.config import (
     _issues_from_validation,
     build_config,
     parse_override,
+    set_dotted,
 )
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform")
@@ -249,16 +250,6 @@ class SweepSpec:
             set_dotted(raw, k, v)
         return raw
 
-
-def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    cur = d
-    for p in parts[:-1]:
-        nxt = cur.get(p)
-        if not isinstance(nxt, dict):
-            nxt = cur[p] = {}
-        cur = nxt
-    cur[parts[-1]] = value
 
 
 def _resolve_base(base: Any, source_dir: Path, issues: list[ConfigIssue]) -> dict[str, Any]:

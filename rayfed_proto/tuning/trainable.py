@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from rayfed_proto.config import ExperimentConfig, build_config
+from rayfed_proto.config import ExperimentConfig, build_config, set_dotted
 from rayfed_proto.tuning.resources import TrialPlan, placement_group_factory, trial_overrides
-from rayfed_proto.tuning.spec import TrialResources, set_dotted
+from rayfed_proto.tuning.spec import TrialResources
 
 
 @dataclass
