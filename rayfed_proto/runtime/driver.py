@@ -301,7 +301,7 @@ def run_experiment(
         return RunResult(run_id, tracker.uri, out, final_version, history, plan.as_dict(), placements, summary)
     except RunInterrupted:
         raise
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # SystemExit: a Tune trial told to stop, a stop and not a failure
         status = "KILLED"
         raise
     finally:

@@ -197,6 +197,8 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
                     client.log_param(parent_run_id, k, str(v)[:6000])
             else:
                 client.update_run(parent_run_id, status="RUNNING")
+                # a trial killed with the interrupted sweep may have ended its run after that sweep closed it
+                _close_children(client, spec, parent_run_id, _errored_trials(exp_path))
 
         gpus = resolve_gpus_per_trial(spec.file.trial_resources.gpus_per_trial, ray.cluster_resources().get("GPU", 0.0),
                                       spec.file.max_concurrent_trials)
@@ -240,7 +242,7 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
     finally:
         if client is not None and parent_run_id is not None:
             try:
-                _close_children(client, spec, parent_run_id)
+                _close_children(client, spec, parent_run_id, _errored_trials(exp_path))
                 client.set_terminated(parent_run_id, status=status)
             except Exception as e:  # the server may be unreachable: the runs stay RUNNING, the sweep's outcome stands
                 log.warning("could not end the MLflow runs of sweep %s: %s", spec.name, e)
@@ -274,15 +276,33 @@ def _mark_stopped(client, rows: list[dict[str, Any]]) -> None:
             log.warning("could not mark run %s as stopped: %s", row["mlflow_run_id"], e)
 
 
-def _close_children(client, spec: SweepSpec, parent_run_id: str) -> None:
+def _errored_trials(exp_path: str) -> set[str] | None:
+    """Ids of the trials Tune recorded as failed (ERROR), from its saved experiment state;
+    None if that state cannot be read."""
+    from ray.tune import ExperimentAnalysis
+
+    try:
+        return {t.trial_id for t in ExperimentAnalysis(exp_path).trials if t.status == "ERROR"}
+    except Exception as e:
+        log.warning("could not read the trial states of %s: %s", exp_path, e)
+        return None
+
+
+def _close_children(client, spec: SweepSpec, parent_run_id: str, errored: set[str] | None) -> None:
     """Trials stopped by the scheduler, or killed with an interrupted sweep, die inside
-    run_experiment and leave their child runs RUNNING: end them as KILLED."""
+    run_experiment: their child runs stay RUNNING, or end FAILED when the trial's actors were
+    torn down under it (the order in which Ray kills them is not fixed). End them as KILLED.
+    A run whose trial Tune recorded as errored keeps FAILED; so does every FAILED run when the
+    trial states are unknown (``errored`` None)."""
     exp = client.get_experiment_by_name(spec.base_config.tracking.experiment_name)
     if exp is None:
         return
     for run in client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
                                   max_results=10_000):
-        if run.info.status == "RUNNING":
+        status, name = run.info.status, run.info.run_name or ""
+        stopped = status == "RUNNING" or (status == "FAILED" and errored is not None
+                                          and not any(name.endswith(f"-{t}") for t in errored))
+        if stopped:
             client.set_tag(run.info.run_id, "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
             client.set_terminated(run.info.run_id, status="KILLED")
 

@@ -327,6 +327,37 @@ def test_tracker_starts_the_run_as_a_child_of_parent_run_id(tmp_path):
     assert "mlflow.parentRunId" not in client.get_run(run_id).data.tags
 
 
+def test_closing_a_sweep_marks_stopped_trials_killed_and_keeps_real_failures(tmp_path):
+    """A trial killed with an interrupted sweep may end its run RUNNING or FAILED (actors torn
+    down under it): both become KILLED; a trial Tune recorded as errored stays FAILED."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.tuning.sweep import _close_children
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    spec = parse_sweep(sweep(), "s.yaml")
+    exp = client.create_experiment(spec.base_config.tracking.experiment_name)
+    parent = client.create_run(exp, run_name="s").info.run_id
+    runs = {}
+    for trial, status in [("a_00000", "FINISHED"), ("a_00001", "RUNNING"), ("a_00002", "FAILED"), ("a_00003", "FAILED")]:
+        run_id = client.create_run(exp, run_name=f"s-{trial}", tags={"mlflow.parentRunId": parent}).info.run_id
+        if status != "RUNNING":
+            client.set_terminated(run_id, status=status)
+        runs[trial] = run_id
+    outsider = client.create_run(exp, run_name="s-a_00009").info.run_id  # not a child of this sweep
+
+    _close_children(client, spec, parent, errored={"a_00003"})
+    got = {t: client.get_run(r).info.status for t, r in runs.items()}
+    assert got == {"a_00000": "FINISHED", "a_00001": "KILLED", "a_00002": "KILLED", "a_00003": "FAILED"}
+    assert client.get_run(runs["a_00002"]).data.tags["rayfed_proto.stopped"].startswith("by the Tune scheduler")
+    assert client.get_run(outsider).info.status == "RUNNING"
+
+    client.set_terminated(runs["a_00002"], status="FAILED")
+    _close_children(client, spec, parent, errored=None)  # trial states unknown: a FAILED run may be a real failure
+    assert client.get_run(runs["a_00002"]).info.status == "FAILED"
+
+
 def test_cli_tune_check_exit_codes(tmp_path, capsys):
     from rayfed_proto.cli import main
 
