@@ -95,6 +95,8 @@ class FedProtoKDOptions(Options):
     uniform_margin: bool = Field(False, description="FedProtoKD-zeta: one margin min(max_c gap_c, zeta) for all classes")
     prototype_mean: Literal["uniform", "weighted"] = Field(
         "uniform", description="class centres Q^c (Eq. 5): mean over clients (no counts, the paper) or sample-weighted")
+    logit_weighting: Literal["logit_variance", "probability_variance"] = Field(
+        "logit_variance", description="Eq. 7 weight: variance of the client's logits (the paper) or of its softmax")
     aggregation_scope: Literal["latest", "buffer"] = Field(
         "latest", description="every client's latest logits and prototypes (staleness-weighted) or the buffer only")
     generator_epochs: int = Field(100, ge=0, description="ACTP generator epochs per version (paper ep_tsp = 100)")
@@ -172,17 +174,23 @@ def actp_loss(protos: torch.Tensor, labels: torch.Tensor, generated: torch.Tenso
     return (per_pair * weights).sum() / weights.sum()
 
 
-def variance_weighted_logits(logits: torch.Tensor, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+def variance_weighted_logits(logits: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                             variance_of: str = "logits") -> torch.Tensor:
     """L^(x_i) = sum_k w_k var_k(x_i) F_k(x_i) / sum_j w_j var_j(x_i) (Eq. 7).
 
     ``logits`` (K, P, C): client k's logits on public sample i; var_k(x_i) is the variance of that
     C-vector (population or sample variance give the same ratios). ``weights`` (K,): staleness
     weights (this platform's extension; 1 in sync mode). A sample on which every client's logits
     are constant (sum of variances 0) falls back to the w-weighted mean. One client: its logits.
+    ``variance_of="probabilities"`` (option ``logit_weighting: probability_variance``, not the
+    paper's): var_k(x_i) is the variance of softmax(F_k(x_i)) instead, bounded by (C - 1) / C^2,
+    so a client's weight no longer grows with the square of its logits' scale; the weighted sum
+    is still over the raw logits.
     """
     k = logits.shape[0]
     w = torch.ones(k, dtype=logits.dtype, device=logits.device) if weights is None else weights.to(logits)
-    var = logits.var(dim=2, unbiased=False)  # FedProtoKD Eq. 7: sigma^2(F_k(x_i)), (K, P)
+    scored = logits.softmax(dim=2) if variance_of == "probabilities" else logits
+    var = scored.var(dim=2, unbiased=False)  # FedProtoKD Eq. 7: sigma^2(F_k(x_i)), (K, P)
     coef = w.unsqueeze(1) * var
     total = coef.sum(0, keepdim=True)
     flat = total <= 1e-12
@@ -417,7 +425,9 @@ class FedProtoKDServer(ServerAlgorithm):
             return {}
         metrics: dict[str, float] = {"logit_clients": float(len(logits)), "prototype_clients": float(len(protos))}
         stacked = torch.tensor(np.stack([a for a, _ in logits]), device=self.device)
-        target = variance_weighted_logits(stacked, torch.tensor([w for _, w in logits], device=self.device))  # Eq. 7
+        variance_of = "probabilities" if self.options.logit_weighting == "probability_variance" else "logits"
+        target = variance_weighted_logits(stacked, torch.tensor([w for _, w in logits], device=self.device),
+                                          variance_of)  # FedProtoKD Eq. 7
         if protos:
             metrics.update(self._train_generator([ps for ps, _ in protos], [w for _, w in protos], version))
         metrics.update(self._train_server_model(target))

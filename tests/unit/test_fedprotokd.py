@@ -159,6 +159,30 @@ def test_variance_weighted_logits_by_hand():
     torch.testing.assert_close(variance_weighted_logits(two)[1], torch.tensor(B_LOGITS))
 
 
+def test_variance_of_probabilities_bounds_the_weight_of_a_client_with_large_logits():
+    # C = 2: population variance of [a, b] is ((a - b) / 2)^2; of softmax([a, b]) it is (tanh((a - b) / 2) / 2)^2
+    small, large = [2.0, 0.0], [0.0, 6.0]  # logit variances 1 and 9
+    logits = torch.tensor([[small], [large]])
+    # Eq. 7 as printed: weights 1/10 and 9/10 -> [0.2, 5.4]; the scale of the logits sets the weight
+    torch.testing.assert_close(variance_weighted_logits(logits), torch.tensor([[0.2, 5.4]]))
+    # probability_variance: (tanh(1) / 2)^2 = 0.14501 and (tanh(3) / 2)^2 = 0.24753 -> 0.36941 : 0.63059
+    va, vb = (math.tanh(1.0) / 2) ** 2, (math.tanh(3.0) / 2) ** 2
+    wa, wb = va / (va + vb), vb / (va + vb)
+    assert abs(wa - 0.369405) < 1e-5
+    torch.testing.assert_close(variance_weighted_logits(logits, variance_of="probabilities"),
+                               torch.tensor([[2.0 * wa, 6.0 * wb]]))
+    # scaling one client's logits by 10 multiplies its Eq. 7 weight ratio by 100 (1 : 900 -> 99.9 %);
+    # on probabilities the weight stays below (C - 1) / C^2 = 0.25 against the other's 0.14501
+    scaled = torch.tensor([[small], [[0.0, 60.0]]])
+    w_logit = variance_weighted_logits(scaled)[0, 1] / 60.0
+    w_prob = variance_weighted_logits(scaled, variance_of="probabilities")[0, 1] / 60.0
+    assert abs(float(w_logit) - 900 / 901) < 1e-6
+    assert abs(float(w_prob) - 0.25 / (0.25 + va)) < 1e-5
+    # the option reaches the server (default: the paper's Eq. 7)
+    assert ALGO.Options().logit_weighting == "logit_variance"
+    assert ALGO.Options(logit_weighting="probability_variance").logit_weighting == "probability_variance"
+
+
 def test_async_server_mixes_every_clients_latest_logits_with_staleness_weights():
     spec = image_spec(public=1, exponent=1.0)
     server = ALGO.Server(small_options(), spec, CPU)
@@ -374,6 +398,18 @@ def test_two_rounds_end_to_end():
     np.testing.assert_allclose(logits.detach().numpy(), state.extras[SERVER_LOGITS], rtol=1e-5, atol=1e-5)
     schema = UpdateSchema(spec.num_clients, C, spec.feature_dim, None, server.extras_shapes())
     assert all(validate_update(u, schema, 1) is None for u in updates)
+
+
+@pytest.mark.parametrize("weighting, expected", [("logit_variance", "logits"), ("probability_variance", "probabilities")])
+def test_server_aggregates_with_the_configured_eq7_weighting(monkeypatch, weighting, expected):
+    import rayfed_proto.algorithms.fedprotokd as kd
+
+    seen = []
+    real = kd.variance_weighted_logits
+    monkeypatch.setattr(kd, "variance_weighted_logits", lambda *a: seen.append(a[2]) or real(*a))
+    spec = image_spec()
+    run_rounds(ALGO.Server(small_options(logit_weighting=weighting), spec, CPU), spec, 1)
+    assert seen == [expected]
 
 
 def test_ablations_switch_their_parts():
