@@ -205,7 +205,8 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         ctx = TrialContext(sweep_name=spec.name, base_raw=base_raw, space_keys=list(spec.space),
                            trial_resources=spec.file.trial_resources.model_dump(), gpus_per_trial=gpus,
                            metric=spec.file.metric, tracking_uri=log_uri, parent_run_id=parent_run_id,
-                           output_dir=output_dir, driver_pin=_driver_pin(log_uri))
+                           output_dir=output_dir, driver_pin=_driver_pin(log_uri),
+                           experiment_name=exp_path.rstrip("/").rsplit("/", 1)[-1])
         _check_cluster(spec, ctx)
         trainable = tune.with_resources(make_trainable(ctx), trial_resources_fn(ctx))
 
@@ -225,7 +226,8 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         else:
             if not tune.Tuner.can_restore(exp_path):
                 raise ConfigError([ConfigIssue(key="--resume", value=exp_path, allowed="a Tune experiment folder Tune can restore")])
-            # unfinished trials restart from version 0 (a run has no mid-run checkpoint); errored ones too
+            # unfinished trials continue their run from its latest checkpoint (the trainable finds
+            # it), or restart from version 0 when it has none; errored ones restart too
             tuner = tune.Tuner.restore(exp_path, trainable=trainable, resume_unfinished=True, restart_errored=True)
             echo(f"resuming sweep {spec.name} from {exp_path}")
         grid = tuner.fit()

@@ -32,6 +32,8 @@ class TrialContext:
     parent_run_id: Optional[str]
     output_dir: str                       # absolute: trials run inside their own Tune folders
     driver_pin: dict[str, float] = field(default_factory=dict)
+    experiment_name: str = ""             # the sweep's Tune folder name: each trial's runs go under
+                                          # <output_dir>/<experiment_name>/<trial id>/ (found again on resume)
 
 
 def absolute_paths(raw: dict[str, Any], cwd: Path) -> None:
@@ -45,7 +47,27 @@ def absolute_paths(raw: dict[str, Any], cwd: Path) -> None:
                 data[key] = str((cwd / Path(v).expanduser()).resolve())
 
 
-def trial_config(ctx: TrialContext, values: dict[str, Any], run_name: Optional[str] = None) -> tuple[ExperimentConfig, TrialPlan]:
+def trial_output_dir(ctx: TrialContext, trial_id: str) -> Path:
+    """Where the runs of one trial go: a fixed folder per trial, so a resumed sweep finds the
+    interrupted run of the trial and its checkpoints."""
+    return Path(ctx.output_dir) / ctx.experiment_name / trial_id if ctx.experiment_name else Path(ctx.output_dir) / trial_id
+
+
+def resumable_run(folder: Path, cfg: ExperimentConfig) -> Optional[Path]:
+    """The newest run under a trial's folder that stopped before its end and has a complete
+    checkpoint to continue from; None when there is none (the trial starts at version 0)."""
+    from rayfed_proto.runtime.driver import checkpoint_store
+
+    if not folder.is_dir():
+        return None
+    runs = sorted(p for p in folder.iterdir() if p.is_dir() and (p / "config.yaml").is_file() and (p / "partition.parquet").is_file())
+    if not runs or (runs[-1] / "summary.txt").exists():  # a finished run is not continued
+        return None
+    return runs[-1] if checkpoint_store(cfg, runs[-1]).latest() is not None else None
+
+
+def trial_config(ctx: TrialContext, values: dict[str, Any], run_name: Optional[str] = None,
+                 trial_id: Optional[str] = None) -> tuple[ExperimentConfig, TrialPlan]:
     """The trial's validated config and its placement plan, from the sampled ``values``."""
     raw = copy.deepcopy(ctx.base_raw)
     for k in ctx.space_keys:
@@ -54,7 +76,8 @@ def trial_config(ctx: TrialContext, values: dict[str, Any], run_name: Optional[s
                            check=True, driver_pin=ctx.driver_pin)
     for k, v in plan.overrides.items():
         set_dotted(raw, k, v)
-    set_dotted(raw, "tracking.output_dir", ctx.output_dir)
+    set_dotted(raw, "tracking.output_dir", str(trial_output_dir(ctx, trial_id)) if trial_id else ctx.output_dir)
+    set_dotted(raw, "checkpoint.dir", None)  # one folder per run: a shared checkpoint.dir would mix the trials
     if ctx.tracking_uri is not None:
         set_dotted(raw, "tracking.tracking_uri", ctx.tracking_uri)
         set_dotted(raw, "tracking.parent_run_id", ctx.parent_run_id)
@@ -84,9 +107,13 @@ def make_trainable(ctx: TrialContext):
 
         from rayfed_proto.runtime.driver import run_experiment
 
-        run_name = f"{ctx.sweep_name}-{tune.get_context().get_trial_id()}"
-        cfg, _ = trial_config(ctx, config, run_name=run_name)
+        trial_id = tune.get_context().get_trial_id()
+        run_name = f"{ctx.sweep_name}-{trial_id}"
+        cfg, _ = trial_config(ctx, config, run_name=run_name, trial_id=trial_id)
+        # a sweep resumed after an interrupt: the trial continues its run from the latest checkpoint
+        resume_dir = resumable_run(trial_output_dir(ctx, trial_id), cfg)
         run_ids: list[str] = []
+        reported: list[int] = []
 
         def on_eval(version: int, metrics: dict[str, Any]) -> None:
             report: dict[str, Any] = {**_numeric(metrics), "version": version}
@@ -105,14 +132,15 @@ def make_trainable(ctx: TrialContext):
                 # final artifacts and leave it FAILED.
                 final.append(report)
                 return
+            reported.append(version)
             tune.report(report)  # raises SystemExit when the scheduler stops this trial
 
         final: list[dict[str, Any]] = []
         try:
-            run_experiment(cfg, progress=False, echo=lambda s: None, on_eval=on_eval)
+            result = run_experiment(cfg, progress=False, echo=lambda s: None, on_eval=on_eval, resume_dir=resume_dir)
         except SystemExit:
-            # Stopped by the scheduler (ASHA) or an interrupted sweep: run_experiment ended the
-            # run as FAILED (and released its actors); it was stopped, not broken.
+            # Stopped by the scheduler (ASHA) or an interrupted sweep: the run ended KILLED (and
+            # released its actors); it was stopped, not broken.
             if run_ids:
                 from mlflow.tracking import MlflowClient
 
@@ -120,6 +148,13 @@ def make_trainable(ctx: TrialContext):
                 client.set_tag(run_ids[0], "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
                 client.set_terminated(run_ids[0], status="KILLED")
             raise
+        if not final and not reported:
+            # resumed from a checkpoint of the last version: every evaluation is in the history
+            # already and none was reported in this attempt; Tune gets the last one
+            last = next((h for h in reversed(result.history) if ctx.metric in h), None)
+            if last is not None:
+                final.append({**_numeric(last), "version": int(last.get("version", result.final_version)),
+                              "mlflow_run_id": result.run_id})
         for report in final:
             tune.report(report)
 

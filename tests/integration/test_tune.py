@@ -93,43 +93,65 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
     assert run.final_version == 1 and client.get_run(run.run_id).info.status == "FINISHED"
 
 
-def _finished_trials(storage: Path) -> int:
+def _finished_trials(storage: Path, rounds: int = ROUNDS) -> int:
     done = 0
     for result in storage.glob("tiny-*/rayfed_trial_*/result.json"):
         lines = [ln for ln in result.read_text().splitlines() if ln.strip()]
-        done += bool(lines) and json.loads(lines[-1]).get("version") == ROUNDS
+        done += bool(lines) and json.loads(lines[-1]).get("version") == rounds
     return done
 
 
-def test_an_interrupted_sweep_resumes_and_finishes_every_trial(ray_session, tmp_path):
-    """Ctrl-C the CLI once the first of two one-at-a-time trials is done, then --resume."""
+def _checkpointed_unfinished_runs(runs: Path) -> list[Path]:
+    """Run folders (<output_dir>/<sweep folder>/<trial id>/<run>) with a complete checkpoint and no summary yet."""
+    return [d for d in runs.glob("tiny-*/*/*") if (d / "config.yaml").is_file() and not (d / "summary.txt").exists()
+            and any(d.glob("checkpoints/v*/manifest.json"))]
+
+
+def test_an_interrupted_sweep_resumes_and_its_unfinished_trial_continues_from_its_checkpoint(ray_session, tmp_path):
+    """Ctrl-C the CLI once the first of two one-at-a-time trials is done and the second has a
+    checkpoint, then --resume: the second trial continues its own run (same MLflow run, same
+    output folder) from that checkpoint instead of starting again at version 0."""
+    rounds = 12
     spec = tiny_sweep(tmp_path)
+    base = {**spec.base_raw, "checkpoint": {"every": 1}}
+    base["federation"] = {**base["federation"], "rounds": rounds}
     sweep_file = tmp_path / "tiny.yaml"
-    raw = {**spec.file.model_dump(mode="json"), "base": spec.base_raw, "max_concurrent_trials": 1}
+    raw = {**spec.file.model_dump(mode="json"), "base": base, "max_concurrent_trials": 1}
     sweep_file.write_text(yaml.safe_dump(raw))
     address = ray_session.get_runtime_context().gcs_address
     proc = subprocess.Popen([sys.executable, "-m", "rayfed_proto.cli", "tune", str(sweep_file), "--address", address,
                              "--quiet"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = tmp_path / "runs"
     deadline = time.monotonic() + 600
-    while _finished_trials(tmp_path / "tune") < 1 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(1)
+    while not (_finished_trials(tmp_path / "tune", rounds) >= 1 and _checkpointed_unfinished_runs(runs)) \
+            and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (interrupted,) = _checkpointed_unfinished_runs(runs)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 130, out
     (folder,) = (tmp_path / "tune").glob("tiny-*")
     assert f"rayfed-proto tune --resume {folder}" in out
+    assert not (interrupted / "summary.txt").exists()
 
     resumed = run_sweep(resume=str(folder), verbose=0)
     assert resumed.experiment_path == str(folder) and not resumed.interrupted
-    assert len(resumed.ranked) == 2 and all(r["version"] == ROUNDS and r["status"] == "done" for r in resumed.ranked)
+    assert len(resumed.ranked) == 2 and all(r["version"] == rounds and r["status"] == "done" for r in resumed.ranked)
     assert sorted(r["algorithm.lam"] for r in resumed.ranked) == [0.1, 1.0]
 
+    # the interrupted trial went on in the same folder: one run folder per trial, now finished
+    assert (interrupted / "summary.txt").is_file()
+    assert sorted(p.parent.parent.name for p in (runs / folder.name).glob("*/*/summary.txt")) == sorted(
+        r["trial"] for r in resumed.ranked)
     client = MlflowClient(resumed.tracking_uri)
-    kids = children(client, resumed.parent_run_id)  # the interrupted trial's first run is KILLED, its rerun FINISHED
-    assert {k.info.status for k in kids} <= {"FINISHED", "KILLED"}
+    kids = children(client, resumed.parent_run_id)
+    # one MLflow run per trial, both FINISHED: a restart from version 0 would have left a KILLED run beside a new one
+    assert len(kids) == 2 and {k.info.status for k in kids} == {"FINISHED"}
     for row in resumed.ranked:
-        assert client.get_run(row["mlflow_run_id"]).info.status == "FINISHED"
-        assert steps(client, row["mlflow_run_id"], "head_acc") == list(range(ROUNDS + 1))
+        history = steps(client, row["mlflow_run_id"], "head_acc")
+        # versions after the checkpoint that were logged before the interrupt are logged again
+        # (same step), those before it are not: version 0 once, so the run was not restarted
+        assert sorted(set(history)) == list(range(rounds + 1)) and history.count(0) == 1
     assert client.get_run(resumed.parent_run_id).info.status == "FINISHED"
     assert load_config(resumed.best_yaml).algorithm.name == "fedproto"
 
