@@ -358,6 +358,39 @@ def test_closing_a_sweep_marks_stopped_trials_killed_and_keeps_real_failures(tmp
     assert client.get_run(runs["a_00002"]).info.status == "FAILED"
 
 
+def test_a_trial_resumes_the_newest_unfinished_run_with_a_complete_checkpoint(tmp_path):
+    from rayfed_proto.runtime.checkpoint import CheckpointStore
+    from rayfed_proto.tuning.trainable import resumable_run, trial_output_dir
+
+    ctx = TrialContext(sweep_name="s", base_raw=BASE, space_keys=[], trial_resources={}, gpus_per_trial=0.0,
+                       metric="head_acc", tracking_uri=None, parent_run_id=None, output_dir=str(tmp_path),
+                       experiment_name="s-20261121-120000")
+    folder = trial_output_dir(ctx, "abc_00001")
+    assert folder == tmp_path / "s-20261121-120000" / "abc_00001"
+    cfg = build_config(BASE)
+    assert resumable_run(folder, cfg) is None  # never ran
+
+    def run_folder(name: str, checkpoint: bool, finished: bool = False):
+        d = folder / name
+        d.mkdir(parents=True)
+        (d / "config.yaml").write_text("{}")
+        (d / "partition.parquet").write_bytes(b"")
+        if checkpoint:
+            CheckpointStore(d / "checkpoints").save(3, server={}, clients=[], actor_rng={}, driver={}, run_id="r")
+        if finished:
+            (d / "summary.txt").write_text("done")
+        return d
+
+    run_folder("20261121-120001-000000-fedproto-digits", checkpoint=True, finished=True)
+    assert resumable_run(folder, cfg) is None  # the newest run finished: nothing to continue
+    newest = run_folder("20261121-120002-000000-fedproto-digits", checkpoint=False)
+    assert resumable_run(folder, cfg) is None  # stopped before its first checkpoint: start again
+    (newest / "checkpoints" / ".tmp-v000002-1-1").mkdir(parents=True)  # a save cut short is not a checkpoint
+    assert resumable_run(folder, cfg) is None
+    CheckpointStore(newest / "checkpoints").save(2, server={}, clients=[], actor_rng={}, driver={}, run_id="r")
+    assert resumable_run(folder, cfg) == newest
+
+
 def test_cli_tune_check_exit_codes(tmp_path, capsys):
     from rayfed_proto.cli import main
 
