@@ -14,7 +14,6 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import load_config
-from rayfed_proto.runtime.driver import run_experiment
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer
 from rayfed_proto.tuning.spec import parse_sweep
 from rayfed_proto.tuning.sweep import run_sweep
@@ -83,14 +82,20 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
         assert kid.data.params["resources.client_num_cpus"] == "0.25"  # the trial's bundle shares
         assert kid.data.tags["mlflow.runName"].startswith("tiny-")
 
-    # the best config is a runnable YAML: validate it, then run it
+    # the best config is a runnable YAML: validate it, then run it with `rayfed-proto run`
     cfg = load_config(result.best_yaml)
     assert cfg.algorithm.options()["lam"] == result.ranked[0]["algorithm.lam"]
     assert cfg.tracking.parent_run_id is None and cfg.tracking.tracking_uri == result.tracking_uri
-    cfg.federation.rounds = 1
-    cfg.federation.eval_every = 1
-    run = run_experiment(cfg, progress=False, echo=lambda s: None)
-    assert run.final_version == 1 and client.get_run(run.run_id).info.status == "FINISHED"
+    address = ray_session.get_runtime_context().gcs_address
+    cli = subprocess.run([sys.executable, "-m", "rayfed_proto.cli", "run", result.best_yaml, "--no-progress",
+                          "--set", "federation.rounds=1", "--set", f"resources.address={address}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    runs = [r for r in client.search_runs([client.get_experiment_by_name("tune_test").experiment_id])
+            if "mlflow.parentRunId" not in r.data.tags and r.info.run_id != result.parent_run_id]
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED"
+    assert float(runs[0].data.params["algorithm.lam"]) == result.ranked[0]["algorithm.lam"]
+    assert steps(client, runs[0].info.run_id, "head_acc") == [0, 1]
 
 
 def _finished_trials(storage: Path, rounds: int = ROUNDS) -> int:
