@@ -89,6 +89,27 @@ def cmd_list(args) -> int:
     return 0
 
 
+# With --resume, --set may change how a run goes on, not what it is: the model, data, method and
+# optimizer settings are fixed by the saved config and by the checkpoint (a restored optimizer
+# keeps its saved learning rate, so a changed training.lr would be silently ignored).
+RESUME_SETTABLE = ("resources.", "tracking.", "checkpoint.", "reliability.", "faults.",
+                   "federation.rounds", "federation.eval_every")
+
+
+def _check_resume_overrides(overrides: list[str] | None) -> None:
+    from rayfed_proto.config import parse_override
+
+    issues = []
+    for item in overrides or []:
+        key, value = parse_override(item)
+        if not any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_SETTABLE):
+            issues.append(ConfigIssue(key=key, value=value, allowed=(
+                "with --resume only how the run goes on: " + ", ".join(p + "*" if p.endswith(".") else p for p in RESUME_SETTABLE)
+                + "; the rest is fixed by the saved config and checkpoint (start a new run to change it)")))
+    if issues:
+        raise ConfigError(issues, "--resume --set")
+
+
 def cmd_run(args) -> int:
     from rayfed_proto.runtime.driver import run_experiment
 
@@ -100,7 +121,7 @@ def cmd_run(args) -> int:
         if not saved.is_file():
             raise InputError(f"{args.resume} is not the output folder of a run (no config.yaml in it); "
                              "pass the folder printed as 'outputs:' or in the stop message")
-        # --set may change how it runs (resources, tracking, federation.rounds to extend it), not what it is
+        _check_resume_overrides(args.set)
         cfg = load_config(saved, args.set)
     else:
         cfg = _load(args)

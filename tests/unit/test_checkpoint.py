@@ -4,6 +4,7 @@ checkpoint that would be loaded."""
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from rayfed_proto.runtime.checkpoint import CheckpointStore
 
@@ -71,3 +72,18 @@ def test_unwritable_tracking_store_is_a_clear_error(tmp_path):
     blocker.write_text("")
     with pytest.raises(PermissionError, match="tracking.tracking_uri"):
         MlflowTracker(TrackingConfig(tracking_uri=f"sqlite:///{blocker / 'sub' / 'mlflow.db'}"))
+
+
+def test_resume_refuses_a_set_that_would_change_what_the_run_is(tmp_path, capsys):
+    """``run --resume --set training.lr=...`` would be silently ignored (the restored optimizer
+    keeps its saved lr): refused, naming the key, the value and what may be set, before Ray starts."""
+    from rayfed_proto.cli import main
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({"data": {"name": "digits"}, "algorithm": {"name": "fedproto"}}))
+    code = main(["run", "--resume", str(tmp_path), "--set", "training.lr=0.5", "--set", "algorithm.lam=2",
+                 "--set", "federation.rounds=50"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "training.lr" in err and "0.5" in err and "algorithm.lam" in err
+    assert "federation.rounds" in err.split("only how the run goes on:")[1]  # listed as allowed, not as refused
+    assert err.count("with --resume only how the run goes on") == 2
