@@ -63,7 +63,7 @@ def one_run(method: str, dataset: str, seed: int, args) -> dict:
         f"resources.clients_per_actor={args.clients_per_actor}",
         f"tracking.tracking_uri={args.tracking_uri}", "tracking.experiment_name=compare_methods",
         f"tracking.run_name={method}-{dataset}-s{seed}", "tracking.output_dir=/tmp/rayfed_compare_runs",
-    ]
+    ] + list(args.set)  # last: --set wins over the settings above
     result = run_experiment(build_config({}, overrides), progress=False, echo=lambda s: None)
     hist = result.history
 
@@ -117,8 +117,17 @@ def main() -> int:
     p.add_argument("--public-size", type=int, default=300, help="FedProtoKD's public set (data.public_size)")
     p.add_argument("--cpus", type=int, default=2)
     p.add_argument("--tracking-uri", default="sqlite:////tmp/rayfed_compare.db")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override added to every run (repeatable), e.g. algorithm.logit_weighting=probability_variance")
     p.add_argument("--out", help="write OUT.json and OUT.md")
     args = p.parse_args()
+    from rayfed_proto.config import ConfigError, build_config
+
+    try:  # a bad --set is reported now, not after the first runs
+        for method in args.methods:
+            build_config({}, [f"algorithm.name={method}", *args.set])
+    except ConfigError as e:
+        p.error(str(e))
 
     import ray
 
@@ -137,7 +146,8 @@ def main() -> int:
     settings = (f"{args.clients} clients (small_hetero), Dirichlet beta {args.beta}, sync, full participation, "
                 f"{args.rounds} rounds, 1 local epoch, batch 10, lr 0.01, feature_dim 128, seeds {args.seeds}; "
                 + "; ".join(f"{m}: {' '.join(method_overrides(m, args.rounds, args.public_size)) or 'defaults'}"
-                            for m in args.methods))
+                            for m in args.methods)
+                + (f"; every run: {' '.join(args.set)}" if args.set else ""))
     print("\n" + settings + "\n\n" + md)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
