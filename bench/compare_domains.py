@@ -12,18 +12,17 @@ test split; for FedAvg, FedLSA and FedSC this is the global model, loaded before
     python bench/compare_domains.py                                   # 4 methods x 3 seeds
     python bench/compare_domains.py --methods fedavg fedsc --seeds 0 --rounds 10
     python bench/compare_domains.py --out bench/results/compare_domains   # .json and .md
+    python bench/compare_domains.py --methods fedsc --set algorithm.cpdr_reduction=sum   # any config override
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from _common import add_common_args, cell, check_configs, final_best, run_all, write_results
 
 DOMAINS = ["original", "inverted", "rotated", "noisy", "tinted"]
 
@@ -39,12 +38,9 @@ def method_overrides(method: str, rounds: int) -> list[str]:
     return []
 
 
-def one_run(method: str, seed: int, args) -> dict:
-    from rayfed_proto.config import build_config
-    from rayfed_proto.runtime.driver import run_experiment
-
+def run_overrides(method: str, seed: int, args) -> list[str]:
     cpd = "[" + ",".join(str(c) for c in args.clients_per_domain) + "]"
-    overrides = method_overrides(method, args.rounds) + [
+    return method_overrides(method, args.rounds) + [
         f"seed={seed}", f"algorithm.name={method}", "data.name=digits_domains", f"data.image_size={args.image_size}",
         f"data.global_test_fraction={args.global_test_fraction}", "data.partition.name=by_domain",
         f"data.partition.clients_per_domain={cpd}", f"data.partition.within_domain={args.within_domain}",
@@ -57,31 +53,20 @@ def one_run(method: str, seed: int, args) -> dict:
         f"resources.clients_per_actor={args.clients_per_actor}",
         f"tracking.tracking_uri={args.tracking_uri}", "tracking.experiment_name=compare_domains",
         f"tracking.run_name={method}-domains-s{seed}", "tracking.output_dir=/tmp/rayfed_compare_domains_runs",
-    ]
+    ] + list(args.set)  # last: --set wins over the settings above
+
+
+def one_run(method: str, seed: int, args) -> dict:
+    from rayfed_proto.config import build_config
+    from rayfed_proto.runtime.driver import run_experiment
+
     t0 = time.perf_counter()
-    result = run_experiment(build_config({}, overrides), progress=False, echo=lambda s: None)
-    hist = result.history
-
-    def series(key):
-        return np.array([h.get(key, math.nan) for h in hist], float)
-
-    def final_best(key):
-        v = series(key)
-        if not np.isfinite(v).any():
-            return math.nan, math.nan
-        last = v[np.isfinite(v)][-1]
-        return float(last), float(np.nanmax(v))
-
+    result = run_experiment(build_config({}, run_overrides(method, seed, args)), progress=False, echo=lambda s: None)
     row = {"method": method, "seed": seed, "run_id": result.run_id, "seconds": time.perf_counter() - t0}
     for key, name in [("head_acc", "head"), ("proto_acc", "proto"), ("global_acc", "global"),
                       ("global_acc_domain_mean", "global_domain_mean")] + [(f"global_acc_{d}", d) for d in DOMAINS]:
-        row[f"final_{name}"], row[f"best_{name}"] = final_best(key)
+        row[f"final_{name}"], row[f"best_{name}"] = final_best(result.history, key)
     return row
-
-
-def _cell(values, scale=100.0):
-    v = np.array(values, float) * scale
-    return "n/a" if not np.isfinite(v).any() else f"{np.nanmean(v):.1f} ± {np.nanstd(v):.1f}"
 
 
 def tables(rows: list[dict], methods: list[str]) -> str:
@@ -93,13 +78,13 @@ def tables(rows: list[dict], methods: list[str]) -> str:
            "| best head | final proto |",
            "|---|---|---|---|---|---|---|"]
     for m in methods:
-        out.append(f"| {m} | {_cell(col(m, 'final_global'))} | {_cell(col(m, 'final_global_domain_mean'))} | "
-                   f"{_cell(col(m, 'best_global_domain_mean'))} | {_cell(col(m, 'final_head'))} | "
-                   f"{_cell(col(m, 'best_head'))} | {_cell(col(m, 'final_proto'))} |")
+        out.append(f"| {m} | {cell(col(m, 'final_global'))} | {cell(col(m, 'final_global_domain_mean'))} | "
+                   f"{cell(col(m, 'best_global_domain_mean'))} | {cell(col(m, 'final_head'))} | "
+                   f"{cell(col(m, 'best_head'))} | {cell(col(m, 'final_proto'))} |")
     out += ["", "Global model per domain, final evaluation (best in brackets), %:", "",
             "| method | " + " | ".join(DOMAINS) + " |", "|---|" + "---|" * len(DOMAINS)]
     for m in methods:
-        cells = [f"{_cell(col(m, 'final_' + d))} ({_cell(col(m, 'best_' + d)).split(' ±')[0]})"
+        cells = [f"{cell(col(m, 'final_' + d))} ({cell(col(m, 'best_' + d)).split(' ±')[0]})"
                  if np.isfinite(np.array(col(m, 'final_' + d), float)).any() else "n/a" for d in DOMAINS]
         out.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -123,23 +108,13 @@ def main() -> int:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight-decay", type=float, default=1e-5)
     p.add_argument("--clients-per-actor", type=int, default=5)
-    p.add_argument("--cpus", type=int, default=2)
-    p.add_argument("--tracking-uri", default="sqlite:////tmp/rayfed_compare_domains.db")
-    p.add_argument("--out", help="write OUT.json and OUT.md")
+    add_common_args(p, tracking_uri="sqlite:////tmp/rayfed_compare_domains.db")
     args = p.parse_args()
-
-    import ray
-
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
-    rows, t0 = [], time.perf_counter()
-    for seed in args.seeds:
-        for method in args.methods:
-            rows.append(one_run(method, seed, args))
-            r = rows[-1]
-            print(f"[{time.perf_counter() - t0:6.0f}s] seed {seed} {method:<8} ({r['seconds']:.0f}s) "
-                  f"global {r['final_global']:.3f} domain mean {r['final_global_domain_mean']:.3f} "
-                  f"head {r['final_head']:.3f}", flush=True)
-    ray.shutdown()
+    jobs = [(m, seed, args) for seed in args.seeds for m in args.methods]
+    check_configs(p, (run_overrides(*job) for job in jobs))
+    rows = run_all(args.cpus, jobs, one_run, lambda r: (
+        f"seed {r['seed']} {r['method']:<8} global {r['final_global']:.3f} "
+        f"domain mean {r['final_global_domain_mean']:.3f} head {r['final_head']:.3f}"))
     md = tables(rows, args.methods)
     settings = (f"digits_domains ({', '.join(DOMAINS)}), {args.image_size}x{args.image_size}, by_domain "
                 f"{args.clients_per_domain} clients per domain, within each domain {args.within_domain}"
@@ -148,12 +123,9 @@ def main() -> int:
                 f"{args.feature_dim}, sync, full participation, {args.rounds} rounds, {args.local_epochs} local epochs, "
                 f"batch {args.batch_size}, SGD lr {args.lr} momentum {args.momentum} weight decay {args.weight_decay}, "
                 f"seeds {args.seeds}; "
-                + "; ".join(f"{m}: {' '.join(method_overrides(m, args.rounds)) or 'defaults'}" for m in args.methods))
-    print("\n" + settings + "\n\n" + md)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-        Path(args.out + ".md").write_text(settings + "\n\n" + md + "\n")
+                + "; ".join(f"{m}: {' '.join(method_overrides(m, args.rounds)) or 'defaults'}" for m in args.methods)
+                + (f"; every run: {' '.join(args.set)}" if args.set else ""))
+    write_results(args, rows, settings, md)
     return 0
 
 

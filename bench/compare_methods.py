@@ -16,18 +16,17 @@ the server model's accuracy (``global_acc``) as extra columns.
     python bench/compare_methods.py --methods fedproto fedsa --seeds 0 1 --rounds 20
     python bench/compare_methods.py --out bench/results/compare_methods   # .json and .md
     python bench/compare_methods.py --methods fedprotokd --datasets digits --out bench/results/compare_fedprotokd
+    python bench/compare_methods.py --methods fedprotokd --set algorithm.logit_weighting=probability_variance
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
+from _common import add_common_args, cell, check_configs, final_best, run_all, write_results
 
 DATASETS = {
     "digits": ["data.name=digits"],
@@ -51,11 +50,8 @@ def method_overrides(method: str, rounds: int, public_size: int = 300) -> list[s
     return []
 
 
-def one_run(method: str, dataset: str, seed: int, args) -> dict:
-    from rayfed_proto.config import build_config
-    from rayfed_proto.runtime.driver import run_experiment
-
-    overrides = DATASETS[dataset] + method_overrides(method, args.rounds, args.public_size) + [
+def run_overrides(method: str, dataset: str, seed: int, args) -> list[str]:
+    return DATASETS[dataset] + method_overrides(method, args.rounds, args.public_size) + [
         f"seed={seed}", f"algorithm.name={method}", "data.partition.name=dirichlet",
         f"data.partition.beta={args.beta}", "data.partition.min_samples=20", "model.group=small_hetero",
         "model.feature_dim=128", "federation.mode=sync", f"federation.num_clients={args.clients}",
@@ -64,28 +60,25 @@ def one_run(method: str, dataset: str, seed: int, args) -> dict:
         f"tracking.tracking_uri={args.tracking_uri}", "tracking.experiment_name=compare_methods",
         f"tracking.run_name={method}-{dataset}-s{seed}", "tracking.output_dir=/tmp/rayfed_compare_runs",
     ] + list(args.set)  # last: --set wins over the settings above
-    result = run_experiment(build_config({}, overrides), progress=False, echo=lambda s: None)
+
+
+def one_run(method: str, dataset: str, seed: int, args) -> dict:
+    from rayfed_proto.config import build_config
+    from rayfed_proto.runtime.driver import run_experiment
+
+    result = run_experiment(build_config({}, run_overrides(method, dataset, seed, args)), progress=False, echo=lambda s: None)
     hist = result.history
-
-    def series(key):
-        return np.array([h.get(key, math.nan) for h in hist], float)
-
-    head, proto, glob = series("head_acc"), series("proto_acc"), series("global_acc")
-    row = {"method": method, "dataset": dataset, "seed": seed,
-           "final_head": float(head[-1]), "best_head": float(np.nanmax(head)),
-           "final_proto": float(proto[-1]), "best_proto": float(np.nanmax(proto)) if np.isfinite(proto).any() else math.nan,
+    (final_head, best_head), (final_proto, best_proto) = final_best(hist, "head_acc"), final_best(hist, "proto_acc")
+    row = {"method": method, "dataset": dataset, "seed": seed, "final_head": final_head, "best_head": best_head,
+           "final_proto": final_proto, "best_proto": best_proto,
            "final_silhouette": float(hist[-1].get("silhouette_mean", math.nan)), "run_id": result.run_id}
-    if np.isfinite(glob).any():  # a server-held model evaluated on the global test set (FedProtoKD)
-        row["final_global"] = float(glob[np.isfinite(glob)][-1])
-        row["best_global"] = float(np.nanmax(glob))
+    final_global, best_global = final_best(hist, "global_acc")
+    if math.isfinite(final_global):  # a server-held model evaluated on the global test set (FedProtoKD)
+        row["final_global"], row["best_global"] = final_global, best_global
     return row
 
 
 def table(rows: list[dict], methods: list[str], datasets: list[str]) -> str:
-    def cell(values):
-        v = np.array(values, float) * 100
-        return "n/a" if not np.isfinite(v).any() else f"{np.nanmean(v):.1f} ± {np.nanstd(v):.1f}"
-
     with_global = any("final_global" in r for r in rows)  # extra columns only when a method has a server model
     out = ["| dataset | method | final head | best head | final proto | best proto | final silhouette |"
            + (" final global (server model) | best global |" if with_global else ""),
@@ -115,44 +108,20 @@ def main() -> int:
     p.add_argument("--clients-per-actor", type=int, default=5)
     p.add_argument("--beta", type=float, default=0.1)
     p.add_argument("--public-size", type=int, default=300, help="FedProtoKD's public set (data.public_size)")
-    p.add_argument("--cpus", type=int, default=2)
-    p.add_argument("--tracking-uri", default="sqlite:////tmp/rayfed_compare.db")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override added to every run (repeatable), e.g. algorithm.logit_weighting=probability_variance")
-    p.add_argument("--out", help="write OUT.json and OUT.md")
+    add_common_args(p, tracking_uri="sqlite:////tmp/rayfed_compare.db")
     args = p.parse_args()
-    from rayfed_proto.config import ConfigError, build_config
-
-    try:  # a bad --set is reported now, not after the first runs
-        for method in args.methods:
-            build_config({}, [f"algorithm.name={method}", *args.set])
-    except ConfigError as e:
-        p.error(str(e))
-
-    import ray
-
-    ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
-    rows, t0 = [], time.perf_counter()
-    for dataset in args.datasets:
-        for seed in args.seeds:
-            for method in args.methods:
-                rows.append(one_run(method, dataset, seed, args))
-                r = rows[-1]
-                print(f"[{time.perf_counter() - t0:6.0f}s] {dataset:<9} seed {seed} {method:<8} "
-                      f"final head {r['final_head']:.3f} proto {r['final_proto']:.3f}"
-                      + (f" global {r['final_global']:.3f}" if "final_global" in r else ""), flush=True)
-    ray.shutdown()
+    jobs = [(m, d, seed, args) for d in args.datasets for seed in args.seeds for m in args.methods]
+    check_configs(p, (run_overrides(*job) for job in jobs))
+    rows = run_all(args.cpus, jobs, one_run, lambda r: (
+        f"{r['dataset']:<9} seed {r['seed']} {r['method']:<8} final head {r['final_head']:.3f} proto {r['final_proto']:.3f}"
+        + (f" global {r['final_global']:.3f}" if "final_global" in r else "")))
     md = table(rows, args.methods, args.datasets)
     settings = (f"{args.clients} clients (small_hetero), Dirichlet beta {args.beta}, sync, full participation, "
                 f"{args.rounds} rounds, 1 local epoch, batch 10, lr 0.01, feature_dim 128, seeds {args.seeds}; "
                 + "; ".join(f"{m}: {' '.join(method_overrides(m, args.rounds, args.public_size)) or 'defaults'}"
                             for m in args.methods)
                 + (f"; every run: {' '.join(args.set)}" if args.set else ""))
-    print("\n" + settings + "\n\n" + md)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-        Path(args.out + ".md").write_text(settings + "\n\n" + md + "\n")
+    write_results(args, rows, settings, md)
     return 0
 
 
