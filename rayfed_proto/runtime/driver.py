@@ -276,8 +276,9 @@ def run_experiment(
             tracker.set_tags({"stopped": stop.reason, "resume_from": str(out)})
             msg = (f"stopped ({stop.reason}); {where}.\nResume with: rayfed-proto run --resume {out}")
             raise RunInterrupted(msg, out, stop.version, stop.reason) from None
-        tracker.log_metrics({"updates_withheld_after_end": scheduler.stats.withheld, **_reliability_metrics(scheduler)},
-                            step=final_version)
+        startup = _startup_s(scheduler)
+        tracker.log_metrics({"updates_withheld_after_end": scheduler.stats.withheld, **_reliability_metrics(scheduler),
+                             **({"startup_s": startup} if startup is not None else {})}, step=final_version)
         if bar is not None:
             bar.close()
 
@@ -293,7 +294,8 @@ def run_experiment(
 
         summary = format_summary_table(history, extra={
             "algorithm": cfg.algorithm.name, "dataset": f"{cfg.data.name} ({cfg.data.partition.name})",
-            "clients": f"{fed.num_clients} ({fed.mode}, concurrency {plan.concurrency})",
+            "clients": f"{fed.num_clients} ({fed.mode}, concurrency {plan.concurrency}, {plan.num_actors} client actors)",
+            **({"startup (process start to first update)": f"{startup:.1f} s"} if startup is not None else {}),
             "MLflow run": f"{run_id} @ {tracker.uri}" if run_id else "tracking disabled",
         })
         (out / "summary.txt").write_text(summary + "\n")
@@ -325,6 +327,19 @@ def _alive_infos(handles: list) -> list[dict[str, Any]]:
         except RayActorError:
             out.append({"dead": True, "peak_rss_mib": float("nan"), "pss_mib": float("nan")})
     return out
+
+
+def _startup_s(scheduler) -> Optional[float]:
+    """Seconds from this process's start to the first local update returned (what a user waits
+    before training shows); None when no update came back."""
+    if scheduler.first_update_unix is None:
+        return None
+    try:
+        import psutil
+
+        return scheduler.first_update_unix - psutil.Process().create_time()
+    except Exception:  # no psutil or no /proc: not measurable here
+        return None
 
 
 def _reliability_metrics(scheduler) -> dict[str, float]:
