@@ -20,6 +20,7 @@ torch, torchvision, PIL and scikit-learn are imported inside the functions that 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import re
 from collections.abc import Callable
@@ -167,9 +168,16 @@ def open_torchvision(name: str, class_name: str, root: Path, layout: str, downlo
     fix = (f"run with --set data.download=true on a machine with network access, or place the files "
            f"under {root} in torchvision's layout: {root}/{layout}")
     splits = []
+    lock = contextlib.nullcontext()
+    if download:  # one download at a time per dataset and folder (concurrent runs, sweep trials)
+        from filelock import FileLock
+
+        root.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(str(root / f".{class_name}.download.lock"))
     for kwargs in split_kwargs:
         try:
-            splits.append(cls(root=str(root), download=download, **kwargs))
+            with lock:
+                splits.append(cls(root=str(root), download=download, **kwargs))
         # torchvision reports missing or corrupt files as RuntimeError; a failed download as
         # URLError/socket errors (OSError) or RuntimeError
         except (RuntimeError, OSError) as err:

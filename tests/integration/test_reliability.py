@@ -133,9 +133,13 @@ def test_client_failing_beyond_the_limit_is_excluded_not_fatal(ray_session, trac
 
 def test_killed_server_actor_is_recreated_from_the_checkpoint(ray_session, tracking):
     uri, track = tracking
-    kill_server_once, killed = _killer("server", {3})
+    kill_on_eval, killed = _killer("server", {3})
+
+    def kill_server_once(version):  # as soon as version 3 exists (evaluations now run after the next round)
+        kill_on_eval(version, {})
+
     cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=6", "checkpoint.every=2"])
-    result = run_experiment(cfg, on_eval=kill_server_once, **QUIET)
+    result = run_experiment(cfg, on_version=kill_server_once, **QUIET)
     assert killed and result.final_version == 6
     last = result.history[-1]
     assert last["server_restarts"] == 1

@@ -94,7 +94,8 @@ def test_sync_fedavg_homogeneous(ray_session, tracking):
 def test_four_clients_with_quarter_gpu_shares_are_placed(ray_session, tracking):
     _, track = tracking
     cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=1", "federation.eval_every=1",
-                                            "resources.client_num_gpus=0.25", "resources.server_num_gpus=0.25"])
+                                            "resources.client_num_gpus=0.25", "resources.server_num_gpus=0.25",
+                                            "resources.clients_per_actor=1"])  # the papers' layout: an actor per client
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     clients, server = result.placements[:-1], result.placements[-1]
     assert len(clients) == 4

@@ -1,0 +1,97 @@
+"""20 HtFE8 clients sharing one GPU through fractional shares: per-actor GPU memory and training
+throughput, against one process training the 20 clients in turn on the same GPU.
+
+The platform side runs the papers' layout, one actor per client (`resources.clients_per_actor: 1`,
+each with GPU share 1/21 beside the server), and, for comparison, the default packed layout
+(`clients_per_actor: auto`). Throughput = training samples processed per second over rounds
+2..R; GPU memory = each actor's `torch.cuda.max_memory_allocated`. The reference is
+`bench/_plain.py` on the same GPU (each client in turn), in the same run.
+
+    .venv/bin/python bench/gpu_share.py --out bench/results/gpu_share      # needs a CUDA GPU
+    .venv/bin/python bench/gpu_share.py --rounds 3 --samples 20000
+
+Without a CUDA GPU it says so and measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plain import run_plain  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=30_000, help="synthetic CIFAR-shaped images (3x32x32)")
+    ap.add_argument("--method", default="fedproto")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_share: no CUDA GPU on this machine; nothing was measured (run it where `nvidia-smi` lists a GPU).")
+        return
+    import tempfile
+
+    import ray
+
+    from rayfed_proto.config import build_config
+    from rayfed_proto.runtime.driver import run_experiment
+
+    base = ["data.name=synthetic", f"data.num_samples={args.samples}", "data.image_size=32", "data.channels=3",
+            "data.partition.name=dirichlet", "data.partition.beta=0.1", "data.partition.min_samples=20",
+            "model.group=HtFE8", f"algorithm.name={args.method}", "training.batch_size=10",
+            "federation.num_clients=20", "federation.mode=sync", "federation.participation=1.0",
+            f"federation.rounds={args.rounds}", "federation.eval_every=1", "checkpoint.every=0"]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        track = [f"tracking.tracking_uri=sqlite:///{d}/mlflow.db", f"tracking.output_dir={d}/runs"]
+        ray.init(num_gpus=1, include_dashboard=False)
+        for layout in ("1", "auto"):
+            cfg = build_config({}, base + track + [f"resources.clients_per_actor={layout}"])
+            res = run_experiment(cfg, progress=True)
+            walls = [h["wall_s"] for h in res.history]
+            from rayfed_proto.data import load_dataset, make_partition
+
+            ds = load_dataset(cfg.data, cfg.seed)
+            part = make_partition(ds, cfg.data.partition, 20, cfg.seed, cfg.data.test_fraction)
+            samples = sum(len(c.train_idx) for c in part.clients)
+            rounds = [b - a for a, b in zip(walls, walls[1:], strict=False)]  # version v exists at wall_s[v]
+            per_round = statistics.median(rounds[1:] or rounds)
+            gpu = [p.get("gpu_peak_mib", float("nan")) for p in res.placements[:-1]]
+            rows.append({"layout": f"clients_per_actor={layout}", "actors": res.resource_plan["num_actors"],
+                         "gpu_share": res.resource_plan["client_num_gpus"],
+                         "samples_per_s": round(samples / per_round, 1),
+                         "gpu_peak_mib_per_actor_max": round(max(gpu), 1), "gpu_peak_mib_total": round(sum(gpu), 1),
+                         "head_acc": round(res.history[-1]["head_acc"], 4)})
+            print(rows[-1], flush=True)
+        ray.shutdown()
+        plain = run_plain(build_config({}, base + track), device="cuda")
+        med = statistics.median(plain.round_s[1:] or plain.round_s)
+        rows.append({"layout": "plain loop, one process", "actors": 0, "gpu_share": 1.0,
+                     "samples_per_s": round(samples / med, 1),
+                     "gpu_peak_mib_per_actor_max": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+                     "gpu_peak_mib_total": round(torch.cuda.max_memory_allocated() / 2**20, 1),
+                     "head_acc": round(plain.head_acc[-1], 4)})
+    ref = rows[-1]["samples_per_s"]
+    for r in rows:
+        r["throughput_vs_plain"] = round(r["samples_per_s"] / ref, 3)
+    cols = list(rows[0])
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(str(r[c]) for c in cols) + " |"
+                                                                        for r in rows]
+    print("\n".join(md))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                             "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
