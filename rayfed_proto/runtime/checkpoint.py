@@ -204,6 +204,28 @@ class CheckpointStore:
         self._prune()
         return final
 
+    def save_or_warn(self, version: int, *, attempts: int = 3, delay_s: float = 2.0, **parts: Any) -> Optional[Path]:
+        """:meth:`save`, retried on an OS error (disk full, a network file system hiccup); when every
+        attempt fails, a warning says so and None is returned: the previous checkpoint still
+        stands and the run goes on (a fault during a run must not end it as if the input were bad)."""
+        parts["clients"] = list(parts["clients"])  # a generator would be spent by the first attempt
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.save(version, **parts)
+            except OSError as e:
+                for stale in self.dir.glob(".tmp-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                if attempt < attempts:
+                    log.warning("checkpoint of version %d: writing to %s failed (%s), retrying (%d/%d)",
+                                version, self.dir, e, attempt, attempts)
+                    time.sleep(delay_s * attempt)
+                    continue
+                done = self.complete()
+                log.warning("checkpoint of version %d could NOT be written to %s after %d attempts (%s); %s; the run "
+                            "goes on", version, self.dir, attempts, e,
+                            f"the previous checkpoint {done[-1].name} still stands" if done else "there is no checkpoint yet")
+        return None
+
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
         if not self.dir.is_dir():

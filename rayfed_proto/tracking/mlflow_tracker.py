@@ -90,6 +90,19 @@ class MlflowTracker:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.mlflow.set_tags({k: str(v) for k, v in tags.items()})
 
+    def delete_tags(self, keys) -> None:
+        """Remove tags that no longer hold (``stopped`` on a run that was resumed and finished)."""
+        run = self.mlflow.active_run()
+        if run is None:
+            return
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.uri)
+        present = client.get_run(run.info.run_id).data.tags
+        for key in keys:
+            if key in present:
+                client.delete_tag(run.info.run_id, key)
+
     def end(self, status: str = "FINISHED") -> None:
         if self.mlflow.active_run() is not None:
             self.mlflow.end_run(status=status)
@@ -114,6 +127,9 @@ class NullTracker:
         pass
 
     def set_tags(self, tags):
+        pass
+
+    def delete_tags(self, keys):
         pass
 
     def end(self, status="FINISHED"):
