@@ -207,6 +207,10 @@ def _run_experiment(
     if ckpt is not None:
         run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
         echo(f"resuming from {ckpt.path} (version {ckpt.version})")
+        redone = tracker.note_superseded_steps(ckpt.version)
+        if redone:
+            echo(f"versions {redone[0]}..{redone[-1]} were logged after that checkpoint and are redone: MLflow keeps both "
+                 "points (the later is valid; tag superseded_steps); history.parquet holds only the valid ones")
         runfolder.clear_finished(out)  # continued: it is not finished until it finishes again
     else:
         params = cfg.flat()

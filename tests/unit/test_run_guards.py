@@ -327,3 +327,57 @@ def test_a_failed_checkpoint_write_is_retried_then_the_run_goes_on(tmp_path, mon
         assert store.save_or_warn(6, attempts=2, delay_s=0, **parts) is None
     assert "could NOT be written" in caplog.text and "v000004 still stands" in caplog.text
     assert store.latest().version == 4 and not list(tmp_path.glob(".tmp-*"))
+
+
+# ------------------------------------------------------------------ MLflow store and re-done steps (items 5 and 7)
+
+def test_steps_redone_after_a_resume_are_recorded_as_superseded(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.config import TrackingConfig
+    from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = MlflowTracker(TrackingConfig(tracking_uri=uri, experiment_name="e"))
+    run_id = tracker.start({})
+    for step in range(6):  # the dead driver logged versions 0..5, its last checkpoint was version 3
+        tracker.log_metrics({"head_acc": 0.1 * step}, step=step)
+    assert tracker.note_superseded_steps(3) == [4, 5]
+    assert tracker.note_superseded_steps(5) == []
+    assert MlflowClient(uri).get_run(run_id).data.tags["superseded_steps"] == "4-5"
+    tracker.end()
+
+
+def test_a_fresh_store_created_by_two_runs_at_once_is_retried(tmp_path, monkeypatch):
+    """The race itself is timing-dependent; this reproduces what the loser sees (sqlite's "table
+    experiments already exists" while the winner migrates) and checks that the tracker retries
+    instead of crashing, before any output folder exists."""
+    import sqlalchemy.exc
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.config import TrackingConfig
+    from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
+
+    real, calls = MlflowClient.search_experiments, []
+
+    def racing(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise sqlalchemy.exc.OperationalError("CREATE TABLE experiments", {}, Exception("table experiments already exists"))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(MlflowClient, "search_experiments", racing)
+    MlflowTracker(TrackingConfig(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}"))
+    assert len(calls) == 2
+
+
+def test_two_trackers_on_a_fresh_store_at_the_same_moment_both_start(tmp_path):
+    code = ("import sys; from rayfed_proto.config import TrackingConfig; "
+            "from rayfed_proto.tracking.mlflow_tracker import MlflowTracker; "
+            f"t = MlflowTracker(TrackingConfig(tracking_uri='sqlite:///{tmp_path / 'mlflow.db'}', experiment_name='e')); "
+            "t.start({}); t.end(); print('ok')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
