@@ -195,6 +195,8 @@ def _run_experiment(
             out.rmdir()
             raise
         folder_locks.enter_context(runfolder.RunFolderLock(out))
+        for line in runfolder.settle_orphaned_runs(out.parent):  # runs left RUNNING by drivers that are gone
+            echo(line)
         (out / "config.yaml").write_text(cfg.to_yaml())
         partition.save_parquet(out / "partition.parquet")
     partition_path = out / "partition.parquet"

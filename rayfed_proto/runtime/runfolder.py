@@ -143,3 +143,43 @@ def finished_version(folder: Path) -> Optional[int]:
 
 def clear_finished(folder: Path) -> None:
     (folder / FINISHED).unlink(missing_ok=True)
+
+
+def settle_orphaned_runs(root: Path) -> list[str]:
+    """Run folders under ``root`` whose driver is gone (nobody holds the lock), that did not
+    finish, and whose MLflow run is still RUNNING (a SIGKILLed driver, a lost machine): the run is
+    marked KILLED with the tags ``stopped`` and ``resume_from`` when a checkpoint exists (it can
+    be resumed), FAILED with ``failure_reason`` otherwise. Called when a new run starts, so that
+    nothing stays RUNNING after an exit the platform can observe. Returns one line per run settled."""
+    import logging
+
+    log = logging.getLogger("rayfed_proto")
+    settled: list[str] = []
+    if not root.is_dir():
+        return settled
+    for folder in sorted(p for p in root.iterdir() if p.is_dir() and (p / RUN_INFO).is_file()):
+        info = read_run_info(folder) or {}
+        run_id, uri = info.get("run_id"), info.get("tracking_uri")
+        if not run_id or not uri or finished_version(folder) is not None or is_locked(folder):
+            continue
+        try:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(uri)
+            if client.get_run(run_id).info.status != "RUNNING":
+                continue
+            resumable = any((p / "manifest.json").is_file() for p in (folder / "checkpoints").glob("v*"))
+            if resumable:
+                client.set_tag(run_id, "stopped", "the driver ended without stopping the run (seen at a later start)")
+                client.set_tag(run_id, "resume_from", str(folder))
+                client.set_terminated(run_id, "KILLED")
+                settled.append(f"MLflow run {run_id} of {folder} was left RUNNING by a driver that is gone: marked KILLED; "
+                               f"resume with: rayfed-proto run --resume {folder}")
+            else:
+                client.set_tag(run_id, "failure_reason", "the driver ended before its first checkpoint")
+                client.set_terminated(run_id, "FAILED")
+                settled.append(f"MLflow run {run_id} of {folder} was left RUNNING by a driver that ended before its first "
+                               "checkpoint: marked FAILED")
+        except Exception as e:  # never let bookkeeping of old runs stop a new one
+            log.warning("could not check the MLflow run of %s: %s", folder, e)
+    return settled

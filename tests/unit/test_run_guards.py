@@ -381,3 +381,30 @@ def test_two_trackers_on_a_fresh_store_at_the_same_moment_both_start(tmp_path):
              for _ in range(3)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+
+
+def test_runs_left_running_by_dead_drivers_are_settled_at_the_next_start(tmp_path):
+    """Item 4: a SIGKILLed driver leaves its MLflow run RUNNING; the next run started in the same
+    output folder marks it KILLED (resumable: it has a checkpoint) or FAILED (no checkpoint), and
+    leaves alone a run whose driver is alive (lock held) or that finished."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.runtime.runfolder import RunFolderLock, mark_finished, settle_orphaned_runs, write_run_info
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("e")
+    runs = {}
+    for name in ("with_checkpoint", "without_checkpoint", "alive", "finished"):
+        folder = tmp_path / "runs" / name
+        folder.mkdir(parents=True)
+        runs[name] = client.create_run(exp).info.run_id
+        write_run_info(folder, runs[name], uri)
+    _fake_checkpoint(tmp_path / "runs" / "with_checkpoint", 2)
+    mark_finished(tmp_path / "runs" / "finished", 4, runs["finished"])
+    with RunFolderLock(tmp_path / "runs" / "alive"):
+        lines = settle_orphaned_runs(tmp_path / "runs")
+    status = {k: client.get_run(r).info.status for k, r in runs.items()}
+    assert status == {"with_checkpoint": "KILLED", "without_checkpoint": "FAILED", "alive": "RUNNING", "finished": "RUNNING"}
+    assert client.get_run(runs["with_checkpoint"]).data.tags["resume_from"] == str(tmp_path / "runs" / "with_checkpoint")
+    assert len(lines) == 2 and any("--resume" in line for line in lines)
