@@ -209,7 +209,8 @@ def _run_experiment(
     if ckpt is not None:
         run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
         echo(f"resuming from {ckpt.path} (version {ckpt.version})")
-        redone = tracker.note_superseded_steps(ckpt.version)
+        # logged by the earlier driver beyond what the checkpoint's history holds: evaluated again now
+        redone = tracker.note_superseded_steps(max((h["version"] for h in driver_state.get("history", [])), default=-1))
         if redone:
             echo(f"versions {redone[0]}..{redone[-1]} were logged after that checkpoint and are redone: MLflow keeps both "
                  "points (the later is valid; tag superseded_steps); history.parquet holds only the valid ones")

@@ -86,8 +86,8 @@ class MlflowTracker:
         return self.run_id
 
     def note_superseded_steps(self, after: int, key: str = "head_acc") -> list[int]:
-        """Resuming from the checkpoint of version ``after``: steps above it that a dead driver had
-        already logged are redone now, so MLflow will hold two points for them (it cannot delete
+        """Resuming from a checkpoint whose history ends at version ``after``: steps above it that
+        the earlier driver had already logged are redone now, so MLflow will hold two points for them (it cannot delete
         one). Record them in the tag ``superseded_steps`` (the later point of each is the valid
         one; ``history.parquet`` holds only the valid ones) and return them."""
         from mlflow.tracking import MlflowClient
