@@ -139,13 +139,28 @@ class ResourcesConfig(_Section):
     address: Optional[str] = Field(None, description="Ray address (None: start a local instance)")
     num_cpus: Optional[int] = Field(None, ge=1, description="local Ray instance: CPUs to declare")
     num_gpus: Optional[float] = Field(None, ge=0, description="local Ray instance: GPUs to declare")
-    clients_per_actor: int = Field(1, ge=1)
+    clients_per_actor: Union[Auto, int] = Field(
+        "auto", description="clients hosted by one worker actor; auto: one worker per useful parallel slot (CPUs), "
+        "clients spread over them; 1: one actor per client (fractional GPU shares)")
+    park_idle_clients: Union[Auto, bool] = Field(
+        "auto", description="keep a client's model only while it trains or is evaluated, its state parked as tensors "
+        "otherwise; auto: when federation.num_clients > 100")
     client_num_cpus: Union[Auto, float] = "auto"
     client_num_gpus: Union[Auto, float] = "auto"
     server_num_cpus: Union[Auto, float] = "auto"
     server_num_gpus: Union[Auto, float] = "auto"
     torch_threads: Union[Auto, int] = "auto"
     placement_timeout_s: float = Field(600.0, gt=0, description="fail if actors are not placed and started within this time")
+
+    @field_validator("clients_per_actor")
+    @classmethod
+    def _per_actor(cls, v):
+        if v != "auto" and v < 1:
+            raise ValueError("must be 'auto' or an integer >= 1")
+        return v
+
+    def parks_clients(self, num_clients: int) -> bool:
+        return num_clients > 100 if self.park_idle_clients == "auto" else bool(self.park_idle_clients)
 
     @field_validator("client_num_cpus", "client_num_gpus", "server_num_cpus", "server_num_gpus")
     @classmethod
@@ -469,7 +484,7 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
         issues.append(ConfigIssue(key="faults.corrupt_clients", value=cfg.faults.corrupt_clients,
                                   allowed=f"client ids in 0..{fed.num_clients - 1}"))
     res = cfg.resources
-    if res.clients_per_actor > fed.num_clients:
+    if res.clients_per_actor != "auto" and res.clients_per_actor > fed.num_clients:
         issues.append(ConfigIssue(key="resources.clients_per_actor", value=res.clients_per_actor,
                                   allowed=f"at most federation.num_clients ({fed.num_clients})"))
     if res.client_num_gpus != "auto" and res.client_num_gpus > 1 and not float(res.client_num_gpus).is_integer():

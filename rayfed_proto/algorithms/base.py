@@ -13,6 +13,7 @@ The runtime only ever calls the hooks below (Flower's Strategy idea, without the
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Optional
@@ -87,20 +88,80 @@ class TrainBatchIterator:
 def guarded_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:
     """Backward and optimizer step, unless the loss or a gradient is not finite: then nothing
     changes and False is returned. One exploding batch must not turn a client's model into NaN
-    (which would also make every later upload refused)."""
-    if not bool(torch.isfinite(loss)):
-        optimizer.zero_grad(set_to_none=True)
-        return False
+    (which would also make every later upload refused).
+
+    One host/device synchronisation per step: a single fused gradient norm (``_foreach_norm``
+    inside ``get_total_norm``) is added to the loss, and that one scalar says whether anything is
+    non-finite (a NaN or inf anywhere makes the sum NaN or inf); the same norm clips the gradients
+    when ``training.max_grad_norm`` is set.
+    """
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if grads and not bool(torch.isfinite(torch.stack([g.detach().abs().max() for g in grads])).all()):
+    total = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else loss.new_zeros(())
+    if not bool(torch.isfinite(total + loss.detach())):  # the one sync of the step
         optimizer.zero_grad(set_to_none=True)
         return False
     max_norm = getattr(optimizer, "max_grad_norm", None)  # set by the runtime from training.max_grad_norm
     if max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total, foreach=True)
     optimizer.step()
     return True
+
+
+class TrainPrototypes:
+    """Per-class means of the features computed by the training forward passes (train mode,
+    before each step), the way FedProto's and FedSA's reference clients collect their prototypes
+    during the local epoch (HtFLlib ``clientproto.py``/``clientsa.py``: ``protos[y].append(rep)``
+    then ``agg_func``), instead of a second eval-mode pass over the split.
+
+    A forward hook on ``model.projection`` records the features of each batch; :meth:`add` folds
+    the last recorded batch in, and is called only for steps that were applied (a skipped,
+    non-finite step contributes nothing). Sums stay on the device: no synchronisation per step.
+    """
+
+    def __init__(self, model: torch.nn.Module, num_classes: int):
+        self.model, self.num_classes = model, num_classes
+        self.sums: Optional[torch.Tensor] = None
+        self.counts: Optional[torch.Tensor] = None
+        self.last: Optional[torch.Tensor] = None
+        self._hook = None
+
+    def __enter__(self) -> TrainPrototypes:
+        def record(_module, _inputs, output):
+            self.last = output.detach()
+
+        self._hook = self.model.projection.register_forward_hook(record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+    def add(self, y: torch.Tensor) -> None:
+        feats, self.last = self.last, None
+        if feats is None or len(feats) != len(y):
+            raise RuntimeError("prototype_source 'train' needs exactly one forward pass of the batch through "
+                               "model.features per step; this method's loss does otherwise: use prototype_source 'eval'")
+        if getattr(self.model, "normalize", False):
+            feats = torch.nn.functional.normalize(feats, dim=1)  # what ProtoModel.features returns
+        feats = feats.float()
+        if self.sums is None:
+            self.sums = torch.zeros(self.num_classes, feats.shape[1], device=feats.device)
+            self.counts = torch.zeros(self.num_classes, device=feats.device)
+        y = y.to(feats.device)
+        self.sums.index_add_(0, y, feats)
+        self.counts.index_add_(0, y, torch.ones(len(y), device=feats.device))
+
+    def result(self, y: torch.Tensor) -> Optional[PrototypeSet]:
+        """The means of the classes seen, with the split's sample counts per class (the weights the
+        server's sample-weighted mean uses), or None when no step was applied."""
+        if self.sums is None:
+            return None
+        counts = self.counts.cpu()
+        seen = torch.nonzero(counts).squeeze(1)
+        # FedSA Eq. 2 over the training passes: P_i^c = mean of f_i(x) over the batches of class c
+        vectors = (self.sums.cpu()[seen] / counts[seen].unsqueeze(1)).numpy().astype(np.float32)
+        split_counts = torch.bincount(y.cpu(), minlength=self.num_classes)[seen]
+        return PrototypeSet(seen.numpy().astype(np.int64), vectors, split_counts.numpy().astype(np.int64))
 
 
 class StepTally:
@@ -109,6 +170,7 @@ class StepTally:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = {}
+        self.loss_sum: Optional[torch.Tensor] = None  # summed on the device: no sync per step
         self.steps = self.skipped = 0
 
     def step(self, model, optimizer, loss: torch.Tensor, terms: dict[str, float]) -> bool:
@@ -116,12 +178,14 @@ class StepTally:
             self.skipped += 1
             return False
         self.steps += 1
-        for k, v in {"loss": loss.item(), **terms}.items():
+        self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
+        for k, v in terms.items():
             self.totals[k] = self.totals.get(k, 0.0) + v
         return True
 
     def result(self) -> dict[str, float]:
-        out = {k: v / max(self.steps, 1) for k, v in self.totals.items()}
+        totals = {"loss": float(self.loss_sum) if self.loss_sum is not None else 0.0, **self.totals}
+        out = {k: v / max(self.steps, 1) for k, v in totals.items()}
         out["nonfinite_steps"] = float(self.skipped)
         return out
 
@@ -147,22 +211,37 @@ class ClientAlgorithm:
         ce = torch.nn.functional.cross_entropy(logits, y)
         return ce, {"ce": ce.item()}
 
+    def prototype_source(self) -> str:
+        """Where the uploaded prototypes come from: ``train`` (collected from the training forward
+        passes, no extra pass) or ``eval`` (an eval-mode pass over the split after training).
+        Per method, following its reference code (``algorithm.prototype_source``)."""
+        return getattr(self.options, "prototype_source", "eval")
+
     def local_train(self, model, optimizer, batches: TrainBatchIterator, epochs: int, device) -> dict[str, float]:
         """Default local update: ``epochs`` passes of SGD on :meth:`loss`; returns mean terms."""
         model.train()
         tally = StepTally()
-        for _ in range(epochs):
-            for xb, yb in batches.epoch():
-                xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-                optimizer.zero_grad(set_to_none=True)
-                loss, terms = self.loss(model, xb, yb)
-                tally.step(model, optimizer, loss, terms)
+        collect = self.prototype_source() == "train" and hasattr(model, "projection")
+        self._train_protos = None
+        with (TrainPrototypes(model, self.spec.num_classes) if collect else contextlib.nullcontext()) as protos:
+            for _ in range(epochs):
+                for xb, yb in batches.epoch():
+                    xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss, terms = self.loss(model, xb, yb)
+                    if tally.step(model, optimizer, loss, terms) and protos is not None:
+                        protos.add(yb)
+        if protos is not None:
+            self._train_protos = protos.result(batches.y)
         return tally.result()
 
     def make_update(self, model, x: torch.Tensor, y: torch.Tensor) -> ClientUpdate:
-        """What to upload after training (default: local prototypes of the held classes)."""
-        return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y),
-                            prototypes=local_prototypes(model, x, y))
+        """What to upload after training (default: local prototypes of the held classes, from the
+        training passes or an eval-mode pass, see :meth:`prototype_source`)."""
+        protos, self._train_protos = getattr(self, "_train_protos", None), None
+        if protos is None:
+            protos = local_prototypes(model, x, y)  # FedSA Eq. 2, eval mode after training
+        return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y), prototypes=protos)
 
     # -- inference ---------------------------------------------------------------------------
     def inference_bank(self) -> Optional[PrototypeSet]:
@@ -242,6 +321,9 @@ class PrototypeOptions(Options):
         "mean", description="||f - P||^2 per dimension (reference code, default) or summed (as printed)")
     aggregation_scope: Literal["buffer", "latest"] = Field(
         "buffer", description="aggregate the buffered updates only, or every client's latest upload (staleness-weighted)")
+    prototype_source: Literal["train", "eval"] = Field(
+        "eval", description="uploaded prototypes: features of the training passes (no extra pass) or an eval-mode "
+        "pass after training; the default follows each method's reference code (docs/algorithms.md)")
     alignment_schedule: Optional[AlignmentSchedule] = Field(
         None, description="curriculum for the alignment weight (FedSAP Eq. 7); none: the constant lam")
 

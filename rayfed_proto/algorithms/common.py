@@ -132,16 +132,31 @@ def nearest_prototype_predict(features: torch.Tensor, bank: Optional[PrototypeSe
     return ids[safe_cdist(features, vecs).argmin(1)]
 
 
+_BANK_CACHE: list = []  # [(bank, num_classes, device, (dense, mask))], the last few banks densified
+
+
 def bank_tensors(bank: Optional[PrototypeSet], num_classes: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense (C, D) tensor of bank vectors and a (C,) bool mask of the classes present."""
+    """Dense (C, D) tensor of bank vectors and a (C,) bool mask of the classes present.
+
+    Built once per received bank, not once per batch: the result is cached by the bank
+    object's identity (a broadcast's arrays are read-only object-store views, never changed in
+    place), so every step of a local update reuses it. Callers must not modify the tensors.
+    """
+    for cached, k, dev, out in _BANK_CACHE:
+        if cached is bank and k == num_classes and dev == str(device):
+            return out
     if bank is None or len(bank) == 0:
-        return torch.zeros(num_classes, 0, device=device), torch.zeros(num_classes, dtype=torch.bool, device=device)
-    dense = torch.zeros(num_classes, bank.vectors.shape[1], device=device)
-    ids = torch.tensor(bank.class_ids, device=device)  # copies: object-store arrays are read-only
-    dense[ids] = torch.tensor(bank.vectors, device=device)
-    mask = torch.zeros(num_classes, dtype=torch.bool, device=device)
-    mask[ids] = True
-    return dense, mask
+        out = (torch.zeros(num_classes, 0, device=device), torch.zeros(num_classes, dtype=torch.bool, device=device))
+    else:
+        dense = torch.zeros(num_classes, bank.vectors.shape[1], device=device)
+        ids = torch.tensor(bank.class_ids, device=device)  # copies: object-store arrays are read-only
+        dense[ids] = torch.tensor(bank.vectors, device=device)
+        mask = torch.zeros(num_classes, dtype=torch.bool, device=device)
+        mask[ids] = True
+        out = (dense, mask)
+    if bank is not None:
+        _BANK_CACHE[:] = [(bank, num_classes, str(device), out)] + _BANK_CACHE[:3]
+    return out
 
 
 def alignment_loss(

@@ -6,6 +6,8 @@ prototype (FedSA Eq. 4). Server: per-class weighted mean of uploaded prototypes 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch.nn.functional as F
 from pydantic import Field
 
@@ -16,6 +18,10 @@ from rayfed_proto.algorithms.common import alignment_loss, bank_tensors
 
 class FedProtoOptions(PrototypeOptions):
     lam: float = Field(1.0, ge=0, description="alignment weight lambda (FedTGP's scripts use 10)")
+    # FedProto's reference client (HtFLlib clientproto.py) collects the prototypes from the
+    # train-mode forward passes of the local epoch; no eval-mode pass after training
+    prototype_source: Literal["train", "eval"] = Field("train", description="uploaded prototypes: training passes "
+                                                       "(reference code, default) or an eval-mode pass after training")
 
 
 class PrototypeAlignmentClient(ClientAlgorithm):

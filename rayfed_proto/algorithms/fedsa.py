@@ -42,6 +42,10 @@ MarginStatistic = Literal["mean_pairwise", "mean_nearest"]
 
 class FedSAOptions(PrototypeOptions):
     lam: float = Field(0.1, ge=0, description="lambda1: weight of L_R (Eq. 9; paper 0.1); scaled by alignment_schedule")
+    # FedSA's reference client (lokinko/FedSA clientsa.py, as FedProto's) collects the uploaded
+    # prototypes from the train-mode forward passes of the local epoch
+    prototype_source: Literal["train", "eval"] = Field("train", description="uploaded prototypes: training passes "
+                                                       "(reference code, default) or an eval-mode pass after training")
     lambda2: float = Field(0.01, ge=0, description="weight of L_MCL (Eq. 9): 0.01 statistical, 1 model heterogeneity; 0 turns it off")
     lambda3: float = Field(1.0, ge=0, description="weight of L_CC (Eq. 9; paper 1); 0 turns it off")
     alpha: float = Field(0.9999, ge=0, le=1, description="EMA decay of the anchors (Eq. 10); 1 freezes them, 0 replaces them")

@@ -1,7 +1,10 @@
 """Ray actors: thin shells around :mod:`rayfed_proto.runtime.core`.
 
-A client actor loads the dataset itself (from disk or the embedded set) and keeps only its
-clients' shards; the driver ships indices, never images. Devices: CUDA when Ray assigned a GPU
+No actor reads the dataset from disk: the driver loads it once and puts its arrays in the
+object store once; an actor's ``setup`` receives them as zero-copy read-only numpy views and
+its clients build their own shards from them (so on a multi-node cluster the data needs to
+exist only where the driver runs). Actors are created before their data is ready (they start
+while the driver partitions) and receive it in ``setup``. Devices: CUDA when Ray assigned a GPU
 and CUDA is really available, CPU otherwise (logical GPUs on a CPU machine are placed but
 compute stays on the CPU).
 """
@@ -18,9 +21,9 @@ import ray
 import torch
 
 from rayfed_proto.config import ExperimentConfig, build_config
-from rayfed_proto.data import ClientSplit, load_dataset
+from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime.core import ClientRunner, EvalSet, ServerCore, corrupt_update
+from rayfed_proto.runtime.core import ClientHost, EvalSet, ServerCore, corrupt_update
 
 
 def pick_device() -> torch.device:
@@ -55,42 +58,51 @@ def _pss_mib() -> float:
 
 @ray.remote
 class ClientActor:
-    def __init__(self, cfg_dict: dict, splits: list[ClientSplit], torch_threads: int, public_idx=None):
+    """A worker hosting one or more clients (:class:`ClientHost`)."""
+
+    def __init__(self, cfg_dict: dict, torch_threads: int):
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
-        cfg: ExperimentConfig = build_config(cfg_dict)
+        self.cfg: ExperimentConfig = build_config(cfg_dict)
         self.device = pick_device()
-        dataset = load_dataset(cfg.data, cfg.seed)
-        # the public proxy set: images only (labels dropped), one tensor shared by this actor's clients
+        self.host: ClientHost | None = None
+        self.faults = self.cfg.faults
+
+    def setup(self, dataset: ArrayDataset, splits: list[ClientSplit], public_idx=None) -> list[int]:
+        """Take this worker's clients; ``dataset`` arrives from the object store (zero-copy)."""
+        # the public proxy set: images only (labels dropped), one tensor shared by this worker's clients
         public_x = dataset.tensors(public_idx)[0] if public_idx is not None and len(public_idx) else None
-        self.runners = {s.client_id: ClientRunner(cfg, s, dataset, self.device, public_x) for s in splits}
-        del dataset  # keep only the shards
-        self.faults = cfg.faults
+        park = self.cfg.resources.parks_clients(self.cfg.federation.num_clients)
+        self.host = ClientHost(self.cfg, dataset, splits, self.device, public_x, park=park)
+        return self.host.client_ids
 
     def train(self, client_id: int, state: GlobalState):
-        meta, update = self.runners[client_id].train(state)
+        meta, update = self.host.train(client_id, state)
         if client_id in self.faults.corrupt_clients:  # fault injection (tests, chaos drills)
             update = corrupt_update(update, self.faults.corrupt_kind)
             meta["corrupted"] = True
         return meta, update
 
     def snapshot(self) -> tuple[dict[int, dict[str, Any]], torch.Tensor]:
-        """Every hosted client's state and this process's torch RNG (for checkpoints)."""
-        return {c: r.state_dict() for c, r in self.runners.items()}, torch.get_rng_state()
+        """Every hosted client's state (for checkpoints) and this process's torch RNG (kept in the
+        format for older checkpoints; each client carries its own stream now)."""
+        return self.host.state_dicts(), torch.get_rng_state()
 
     def restore(self, states: dict[int, dict[str, Any]], rng: torch.Tensor | None = None) -> list[int]:
         """Load checkpointed client states (clients without one keep their fresh initialisation)."""
-        for c, st in states.items():
-            self.runners[c].load_state_dict(st)
+        self.host.load_state_dicts(states)
         if rng is not None:
             torch.set_rng_state(rng)
         return sorted(states)
 
     def evaluate(self, client_ids: list[int], state: GlobalState) -> list[dict[str, Any]]:
-        return [self.runners[c].evaluate(state) for c in client_ids]
+        return self.host.evaluate(client_ids, state)
 
     def info(self) -> dict[str, Any]:
-        return {**_placement(), "device": str(self.device), "clients": sorted(self.runners),
+        hosted = self.host.client_ids if self.host is not None else []
+        live = self.host.live_count() if self.host is not None else 0
+        return {**_placement(), "device": str(self.device), "clients": hosted, "live_clients": live,
+                "materialised": self.host.materialised if self.host is not None else 0,
                 "torch_threads": torch.get_num_threads(), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib()}
 
 
@@ -101,20 +113,19 @@ class ServerActor:
     through ``wait_versions``. In sync mode the driver calls ``step`` when a round is complete."""
 
     def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, buffer_size, torch_threads: int,
-                 global_test_idx=None, public_idx=None):
+                 dataset: ArrayDataset | None = None, global_test_idx=None, public_idx=None):
+        """``dataset``: the object store's arrays (zero-copy), from which the server takes only what
+        it holds (global test set, public set); never read from disk here."""
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         self.device = pick_device()
         background = buffer_size is not None
         cfg = build_config(cfg_dict)
         global_test = public_x = None
-        if (global_test_idx is not None and len(global_test_idx)) or (public_idx is not None and len(public_idx)):
-            dataset = load_dataset(cfg.data, cfg.seed)  # only what the server holds: global test and public set
-            if global_test_idx is not None:
-                global_test = EvalSet.from_dataset(dataset, global_test_idx)
-            if public_idx is not None and len(public_idx):
-                public_x = dataset.tensors(public_idx)[0]
-            del dataset
+        if dataset is not None and global_test_idx is not None and len(global_test_idx):
+            global_test = EvalSet.from_dataset(dataset, global_test_idx)
+        if dataset is not None and public_idx is not None and len(public_idx):
+            public_x = dataset.tensors(public_idx)[0]
         self.core = ServerCore(cfg, num_classes, in_channels, image_size, self.device, buffer_size,
                                background=background, global_test=global_test, public_x=public_x)
         self._versions_cond = threading.Condition()

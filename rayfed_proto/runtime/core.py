@@ -120,13 +120,37 @@ class ClientRunner:
         self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
                                           torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id))
         self.last_loss = float("nan")
+        # The client's own torch RNG stream (dropout and anything else drawing from torch's global
+        # generator), swapped in around its local updates: a client's result does not depend on
+        # which other clients share its worker process, or in which order they ran.
+        self.torch_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def _swap_rng(self) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        outer = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.cuda_rng is not None else None)
+        torch.set_rng_state(self.torch_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+        return outer
+
+    def _restore_rng(self, outer: tuple[torch.Tensor, Optional[torch.Tensor]]) -> None:
+        self.torch_rng = torch.get_rng_state()
+        torch.set_rng_state(outer[0])
+        if self.cuda_rng is not None:
+            self.cuda_rng = torch.cuda.get_rng_state(self.device)
+            torch.cuda.set_rng_state(outer[1], self.device)
 
     def train(self, state: GlobalState) -> tuple[dict[str, Any], ClientUpdate]:
         """Local update against ``state``: returns (small metadata for the driver, the upload)."""
         t0 = time.perf_counter()
-        self.algorithm.receive(state, self.model)
-        terms = self.algorithm.local_train(self.model, self.optimizer, self.batches, self.cfg.training.local_epochs, self.device)
-        update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
+        outer = self._swap_rng()
+        try:
+            self.algorithm.receive(state, self.model)
+            terms = self.algorithm.local_train(self.model, self.optimizer, self.batches, self.cfg.training.local_epochs,
+                                               self.device)
+            update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
+        finally:
+            self._restore_rng(outer)
         busy = time.perf_counter() - t0
         self.last_loss = terms.get("loss", float("nan"))
         meta = {"client_id": self.client_id, "base_version": state.version, "busy_s": busy,
@@ -159,7 +183,8 @@ class ClientRunner:
     def state_dict(self) -> dict[str, Any]:
         return {"model": {k: v.cpu() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict(),
-                "batch_rng": self.batches.generator.get_state(), "last_loss": self.last_loss}
+                "batch_rng": self.batches.generator.get_state(), "last_loss": self.last_loss,
+                "torch_rng": self.torch_rng, "cuda_rng": self.cuda_rng}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -167,6 +192,85 @@ class ClientRunner:
         self.algorithm.load_state_dict(state["algorithm"])
         self.batches.generator.set_state(state["batch_rng"])
         self.last_loss = state["last_loss"]
+        if state.get("torch_rng") is not None:  # checkpoints from before per-client streams keep the fresh one
+            self.torch_rng = state["torch_rng"]
+        if state.get("cuda_rng") is not None and self.cuda_rng is not None:
+            self.cuda_rng = state["cuda_rng"]
+
+
+class ClientHost:
+    """The clients one worker actor hosts; each client's state (model, optimizer, algorithm
+    state, RNG streams) belongs here and is checkpointed per client.
+
+    With ``park=True`` a client is *materialised* (a :class:`ClientRunner`: model, optimizer, its
+    data shard as float tensors) only while it trains or is evaluated. After a local update its
+    state is *parked* as the same plain tensors a checkpoint holds, and the runner is dropped; a
+    client that never trained holds nothing (it is rebuilt from its seed, exactly as at the
+    start). An evaluation leaves a parked client as it was. So a 1,000-client cross-device run
+    keeps only the clients in flight as live models. With ``park=False`` every hosted client
+    stays live (cheapest for small federations).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, dataset: ArrayDataset, splits: list[ClientSplit], device: torch.device,
+                 public_x: Optional[torch.Tensor] = None, park: bool = False):
+        self.cfg, self.dataset, self.device, self.public_x, self.park = cfg, dataset, device, public_x, park
+        self.splits = {s.client_id: s for s in splits}
+        self.live: dict[int, ClientRunner] = {}
+        self.parked: dict[int, dict[str, Any]] = {}
+        self.materialised = 0  # runners built (a count for tests and logs)
+        if not park:
+            for c in self.splits:
+                self._runner(c)
+
+    @property
+    def client_ids(self) -> list[int]:
+        return sorted(self.splits)
+
+    def _runner(self, c: int) -> ClientRunner:
+        runner = self.live.get(c)
+        if runner is None:
+            runner = ClientRunner(self.cfg, self.splits[c], self.dataset, self.device, self.public_x)
+            if c in self.parked:
+                runner.load_state_dict(self.parked[c])
+            self.live[c] = runner
+            self.materialised += 1
+        return runner
+
+    def _release(self, c: int, keep_state: bool) -> None:
+        if self.park:
+            runner = self.live.pop(c)
+            if keep_state:
+                self.parked[c] = runner.state_dict()
+
+    def train(self, c: int, state: GlobalState) -> tuple[dict[str, Any], ClientUpdate]:
+        try:
+            return self._runner(c).train(state)
+        finally:
+            self._release(c, keep_state=True)
+
+    def evaluate(self, clients: list[int], state: GlobalState) -> list[dict[str, Any]]:
+        results = []
+        for c in clients:
+            try:
+                results.append(self._runner(c).evaluate(state))
+            finally:
+                self._release(c, keep_state=False)
+        return results
+
+    def state_dicts(self) -> dict[int, dict[str, Any]]:
+        """Every client with a state (live, or parked); a never-trained parked client has none."""
+        return {**self.parked, **{c: r.state_dict() for c, r in self.live.items()}}
+
+    def load_state_dicts(self, states: dict[int, dict[str, Any]]) -> None:
+        for c, st in states.items():
+            if self.park:
+                self.live.pop(c, None)
+                self.parked[c] = st
+            else:
+                self._runner(c).load_state_dict(st)
+
+    def live_count(self) -> int:
+        return len(self.live)
 
 
 def corrupt_update(update: ClientUpdate, kind: str) -> ClientUpdate:

@@ -7,7 +7,7 @@ output folder) is checked before Ray starts.
 from __future__ import annotations
 
 import logging
-import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -154,79 +154,103 @@ def _run_experiment(
     resume_dir: Optional[str | Path] = None,
 ) -> RunResult:
     from rayfed_proto.data import Partition
+    from rayfed_proto.data.datasets import dataset_warnings
     from rayfed_proto.runtime import runfolder
 
-    ckpt = None
+    ckpt = partition = None
     if resume_dir is not None:
         out = Path(resume_dir).resolve()
         folder_locks.enter_context(runfolder.RunFolderLock(out))  # first: a second driver is refused at once
         store = checkpoint_store(cfg, out)
         ckpt = resume_point(cfg, out, store)  # refuses (before Ray starts) when there is nothing to resume
         partition = Partition.load_parquet(out / "partition.parquet")
+    try:  # only the driver ever reads the data (actors take it from the object store)
         dataset = load_dataset(cfg.data, cfg.seed)
-    else:
-        try:
-            dataset = load_dataset(cfg.data, cfg.seed)
-            partition = make_partition(dataset, cfg.data.partition, cfg.federation.num_clients, cfg.seed, cfg.data.test_fraction,
-                                       global_test_fraction=cfg.data.global_test_fraction, public_size=cfg.data.public_size,
-                                       long_tail_ratio=cfg.data.long_tail_ratio)
-        except (ValueError, KeyError) as e:  # infeasible data for this config: the user's to fix
-            raise InputError(str(e)) from e
-    from rayfed_proto.data.datasets import dataset_warnings
-
+    except (ValueError, KeyError) as e:  # infeasible data for this config: the user's to fix
+        raise InputError(str(e)) from e
     for warning in dataset_warnings(dataset):
         log.warning(warning)
     # Everything that can refuse the run does so before anything is written: the tracking store,
-    # the cluster's resources (GPUs requested that the cluster lacks), then the output folders.
+    # the cluster's resources (GPUs requested that the cluster lacks), the partition, then the
+    # output folders.
     tracker = make_tracker(cfg.tracking)
     import ray
 
+    from rayfed_proto.runtime.fleet import _Fleet
     from rayfed_proto.runtime.resources import assign_clients, plan_resources
 
     ensure_ray(cfg)
     total = ray.cluster_resources()
     plan = plan_resources(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0))
-    if ckpt is None:
-        out = _output_dir(cfg)  # only once the data is known to be usable: a refused run leaves nothing
-        store = checkpoint_store(cfg, out)
-        try:
-            store.check_writable()
-        except PermissionError:
-            out.rmdir()
-            raise
-        folder_locks.enter_context(runfolder.RunFolderLock(out))
-        for line in runfolder.settle_orphaned_runs(out.parent):  # runs left RUNNING by drivers that are gone
-            echo(line)
-        (out / "config.yaml").write_text(cfg.to_yaml())
-        partition.save_parquet(out / "partition.parquet")
+    fed = cfg.federation
+    cfg_dict = cfg.to_dict()
+    fleet = _Fleet(cfg_dict, plan, fed, name=f"{uuid.uuid4().hex[:8]}")
+    try:
+        fleet.start_workers()  # their processes start (import torch) while the driver partitions
+        if partition is None:
+            try:
+                partition = make_partition(dataset, cfg.data.partition, fed.num_clients, cfg.seed, cfg.data.test_fraction,
+                                           global_test_fraction=cfg.data.global_test_fraction,
+                                           public_size=cfg.data.public_size, long_tail_ratio=cfg.data.long_tail_ratio)
+            except (ValueError, KeyError) as e:
+                raise InputError(str(e)) from e
+        if ckpt is None:
+            out = _output_dir(cfg)  # only once the data is known to be usable: a refused run leaves nothing
+            store = checkpoint_store(cfg, out)
+            try:
+                store.check_writable()
+            except PermissionError:
+                out.rmdir()
+                raise
+            folder_locks.enter_context(runfolder.RunFolderLock(out))
+            for line in runfolder.settle_orphaned_runs(out.parent):  # runs left RUNNING by drivers that are gone
+                echo(line)
+            (out / "config.yaml").write_text(cfg.to_yaml())
+            partition.save_parquet(out / "partition.parquet")
+    except BaseException:
+        fleet.shutdown()
+        raise
     partition_path = out / "partition.parquet"
     label_counts = partition.label_counts()
     num_classes, channels, image_size = dataset.num_classes, dataset.channels, dataset.image_size
     class_names = list(dataset.class_names)
-    del dataset  # client actors load their own shards
+    fleet.data_ref = ray.put(dataset)  # once: every actor maps these arrays (zero-copy), none loads them
+    del dataset
+    groups = assign_clients(fed.num_clients, plan.clients_per_actor, work=[float(len(s.train_idx)) for s in partition.clients],
+                            num_actors=plan.num_actors)
+    fleet.assign(groups, partition, num_classes, channels, image_size)
 
     driver_state: dict[str, Any] = ckpt.driver_state() if ckpt is not None else {}
-    if ckpt is not None:
-        run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
-        echo(f"resuming from {ckpt.path} (version {ckpt.version})")
-        # logged by the earlier driver beyond what the checkpoint's history holds: evaluated again now
-        redone = tracker.note_superseded_steps(max((h["version"] for h in driver_state.get("history", [])), default=-1))
-        if redone:
-            echo(f"versions {redone[0]}..{redone[-1]} were logged after that checkpoint and are redone: MLflow keeps both "
-                 "points (the later is valid; tag superseded_steps); history.parquet holds only the valid ones")
-        runfolder.clear_finished(out)  # continued: it is not finished until it finishes again
-    else:
-        params = cfg.flat()
-        params.update({"derived.num_classes": num_classes, "derived.channels": channels, "derived.image_size": image_size})
-        run_id = tracker.start(params, tags={"algorithm": cfg.algorithm.name, "dataset": cfg.data.name,
-                                             "mode": cfg.federation.mode, "model_group": cfg.model.group})
-        runfolder.write_run_info(out, run_id, tracker.uri)  # before any checkpoint: a resume can name the run
+    try:
+        if ckpt is not None:
+            run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
+            echo(f"resuming from {ckpt.path} (version {ckpt.version})")
+            # logged by the earlier driver beyond what the checkpoint's history holds: evaluated again now
+            redone = tracker.note_superseded_steps(max((h["version"] for h in driver_state.get("history", [])), default=-1))
+            if redone:
+                echo(f"versions {redone[0]}..{redone[-1]} were logged after that checkpoint and are redone: MLflow keeps "
+                     "both points (the later is valid; tag superseded_steps); history.parquet holds only the valid ones")
+            runfolder.clear_finished(out)  # continued: it is not finished until it finishes again
+        else:
+            params = cfg.flat()
+            params.update({"derived.num_classes": num_classes, "derived.channels": channels, "derived.image_size": image_size,
+                           **{f"derived.{k}": v for k, v in plan.as_dict().items()}})
+            run_id = tracker.start(params, tags={"algorithm": cfg.algorithm.name, "dataset": cfg.data.name,
+                                                 "mode": cfg.federation.mode, "model_group": cfg.model.group})
+            runfolder.write_run_info(out, run_id, tracker.uri)  # before any checkpoint: a resume can name the run
+    except BaseException:
+        fleet.shutdown()
+        raise
     history: list[dict[str, Any]] = list(driver_state.get("history", []))
     status = "FAILED"
-    handles: dict[str, Any] = {"actors": [], "server": None}
     scheduler = None
     restore_signals = lambda: None  # noqa: E731
     try:
+        fleet.start_server()
+        fleet.setup_workers()
+        echo(f"starting {len(groups)} client actors ({fed.num_clients} clients, up to {plan.clients_per_actor} per actor) "
+             f"and 1 server actor; per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; "
+             f"concurrency {plan.concurrency}")
         if ckpt is None:
             tracker.log_artifact(out / "config.yaml")
             tracker.log_artifact(partition_path)
@@ -236,34 +260,11 @@ def _run_experiment(
                                                     title=f"{cfg.data.name}: {cfg.data.partition.name} partition")
             tracker.log_artifact(heatmap, "plots")
 
-        from rayfed_proto.runtime.actors import ClientActor, ServerActor
         from rayfed_proto.runtime.progress import NoProgressError, ProgressWatch
         from rayfed_proto.runtime.scheduler import Scheduler, StopRequested
 
-        if ckpt is None:
-            tracker.log_metrics({f"resources.{k}": v for k, v in plan.as_dict().items()}, step=0)
-        cfg_dict = cfg.to_dict()
-        fed = cfg.federation
-        groups = assign_clients(fed.num_clients, plan.clients_per_actor)
-        splits = partition.clients
-        generation = {"server": 0, **{a: 0 for a in range(len(groups))}}
-
-        def new_server():
-            return ServerActor.options(num_cpus=plan.server_num_cpus, num_gpus=plan.server_num_gpus,
-                                       name=f"rayfed:{out.name}:server:{generation['server']}").remote(
-                cfg_dict, num_classes, channels, image_size, fed.buffer_size if fed.mode == "async" else None,
-                max(1, plan.torch_threads), partition.global_test_idx, partition.public_idx)
-
-        def new_client_actor(a: int):
-            return ClientActor.options(num_cpus=plan.client_num_cpus, num_gpus=plan.client_num_gpus,
-                                       name=f"rayfed:{out.name}:client:{a}:{generation[a]}").remote(
-                cfg_dict, [splits[c] for c in groups[a]], plan.torch_threads, partition.public_idx)
-
-        handles["server"] = new_server()
-        handles["actors"] = [new_client_actor(a) for a in range(len(groups))]
-        echo(f"starting {len(groups)} client actors ({fed.num_clients} clients) and 1 server actor; "
-             f"per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; concurrency {plan.concurrency}")
-        _wait_until_placed(handles["actors"], handles["server"], plan, total, cfg.resources.placement_timeout_s, progress)
+        fleet.wait_started(total, cfg.resources.placement_timeout_s, progress)
+        handles = fleet.handles
         start_version = 0
         if ckpt is not None:
             start_version = ray.get(handles["server"].restore.remote(ckpt.server_state()))
@@ -271,9 +272,9 @@ def _run_experiment(
             saved = {c: ckpt.client_state(c) for c in range(fed.num_clients)}
             ray.get([actor.restore.remote({c: saved[c] for c in groups[a] if saved[c] is not None}, rngs.get(a))
                      for a, actor in enumerate(handles["actors"])])
+        new_client_actor, new_server = fleet.new_worker, fleet.new_server
 
         def restart_client_actor(a: int):
-            generation[a] += 1
             actor = new_client_actor(a)
             latest = store.latest()
             states = {c: latest.client_state(c) for c in groups[a]} if latest is not None else {}
@@ -285,7 +286,6 @@ def _run_experiment(
             return actor
 
         def restart_server():
-            generation["server"] += 1
             server = new_server()
             latest = store.latest()
             if latest is not None:
@@ -403,8 +403,8 @@ def _run_experiment(
         restore_signals()
         tracker.end(status)
         if scheduler is not None:
-            handles["actors"], handles["server"] = scheduler.actors, scheduler.server
-        _shutdown_actors(list(handles["actors"]) + ([handles["server"]] if handles["server"] is not None else []))
+            fleet.handles["actors"], fleet.handles["server"] = scheduler.actors, scheduler.server
+        fleet.shutdown()
 
 
 def _alive_infos(handles: list) -> list[dict[str, Any]]:
@@ -499,52 +499,6 @@ def _install_stop_handlers(scheduler) -> Callable[[], None]:
             signal.signal(sig, h)
 
     return restore
-
-
-def _wait_until_placed(actors: list, server, plan, cluster: dict, timeout: float, progress: bool) -> None:
-    """Block until every actor has started; a request the cluster cannot place fails loudly."""
-    import ray
-
-    refs = [a.info.remote() for a in actors] + [server.info.remote()]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(refs), desc="starting actors", unit="actor", dynamic_ncols=True, leave=False)
-    deadline = time.monotonic() + timeout
-    pending = refs
-    try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise InputError(
-                    f"{len(pending)} of {len(refs)} actors were not placed within {timeout:.0f} s. Each client actor asks "
-                    f"{plan.client_num_cpus:g} CPU and {plan.client_num_gpus:g} GPU, the server {plan.server_num_cpus:g} CPU "
-                    f"and {plan.server_num_gpus:g} GPU; the cluster has {cluster.get('CPU', 0):g} CPU and "
-                    f"{cluster.get('GPU', 0):g} GPU (other jobs may hold some). Lower resources.client_num_gpus / "
-                    f"client_num_cpus, raise resources.clients_per_actor, or raise resources.placement_timeout_s.")
-            ray.get(ready)  # re-raises an actor's constructor error
-            if bar is not None:
-                bar.update(len(ready))
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _shutdown_actors(handles: list) -> None:
-    if not handles:
-        return
-    import ray
-
-    try:
-        ray.get(handles[-1].stop.remote(), timeout=5)  # the server's training thread (last handle)
-    except Exception:  # already dead or not a server: killing it below is enough
-        pass
-    for h in handles:
-        try:
-            ray.kill(h)
-        except Exception:  # already dead: nothing to release
-            pass
 
 
 def _write_final_artifacts(out: Path, tracker, history, bank, class_names, cfg) -> None:

@@ -33,9 +33,26 @@ def _floor(x: float, grain: float = 0.0001) -> float:
     return math.floor(x / grain) * grain
 
 
+def useful_slots(cluster_cpus: float) -> int:
+    """Worker actors that can train at once: one per whole CPU (each worker drives its model with
+    one or more torch threads; with GPUs too, a worker process needs a CPU to feed its share)."""
+    return max(1, int(cluster_cpus + 1e-9))
+
+
+def clients_per_actor(cfg: ExperimentConfig, cluster_cpus: float) -> int:
+    """``resources.clients_per_actor``, with ``auto`` resolved: the clients spread over as many
+    worker actors as there are useful slots."""
+    per = cfg.resources.clients_per_actor
+    if per != "auto":
+        return int(per)
+    return math.ceil(cfg.federation.num_clients / min(useful_slots(cluster_cpus), cfg.federation.num_clients))
+
+
 def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: float) -> ResourcePlan:
     res, fed = cfg.resources, cfg.federation
-    num_actors = math.ceil(fed.num_clients / res.clients_per_actor)
+    per_actor = clients_per_actor(cfg, cluster_cpus)
+    num_actors = (min(useful_slots(cluster_cpus), fed.num_clients) if res.clients_per_actor == "auto"
+                  else math.ceil(fed.num_clients / per_actor))
 
     server_cpus = min(1.0, cluster_cpus / 4) if res.server_num_cpus == "auto" else float(res.server_num_cpus)
     client_cpus = _floor((cluster_cpus - server_cpus) / num_actors) if res.client_num_cpus == "auto" else float(res.client_num_cpus)
@@ -82,7 +99,7 @@ def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: flo
         threads = int(client_cpus)
     else:
         threads = max(1, int(cluster_cpus // max(concurrency, 1)))
-    return ResourcePlan(num_actors, res.clients_per_actor, client_cpus, client_gpus, server_cpus, server_gpus, threads, concurrency)
+    return ResourcePlan(num_actors, per_actor, client_cpus, client_gpus, server_cpus, server_gpus, threads, concurrency)
 
 
 def gpu_requests_fit(requests: list[float], cluster_gpus: float) -> bool:
@@ -106,6 +123,23 @@ def gpu_requests_fit(requests: list[float], cluster_gpus: float) -> bool:
     return True
 
 
-def assign_clients(num_clients: int, clients_per_actor: int) -> list[list[int]]:
-    """Client ids hosted by each actor: consecutive blocks."""
-    return [list(range(i, min(i + clients_per_actor, num_clients))) for i in range(0, num_clients, clients_per_actor)]
+def assign_clients(num_clients: int, clients_per_actor: int, work: list[float] | None = None,
+                   num_actors: int | None = None) -> list[list[int]]:
+    """Client ids hosted by each actor (sorted within an actor).
+
+    Without ``work``: consecutive blocks. With ``work`` (each client's cost, e.g. its training
+    samples): longest-processing-time-first over ``num_actors`` (default
+    ceil(num_clients / clients_per_actor)) actors,
+    each holding at most ``clients_per_actor`` clients, so that a synchronous round's actors finish
+    at about the same time instead of one idling while a heavier one finishes (ties by client id:
+    deterministic)."""
+    num_actors = num_actors or math.ceil(num_clients / clients_per_actor)
+    if work is None or num_actors == 1:
+        return [list(range(i, min(i + clients_per_actor, num_clients))) for i in range(0, num_clients, clients_per_actor)]
+    load = [0.0] * num_actors
+    groups: list[list[int]] = [[] for _ in range(num_actors)]
+    for c in sorted(range(num_clients), key=lambda c: (-work[c], c)):
+        a = min((a for a in range(num_actors) if len(groups[a]) < clients_per_actor), key=lambda a: (load[a], len(groups[a]), a))
+        groups[a].append(c)
+        load[a] += work[c]
+    return [sorted(g) for g in groups]

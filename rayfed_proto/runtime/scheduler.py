@@ -123,6 +123,7 @@ class Scheduler:
         self.eval_results: dict[int, list] = {}
         self.eval_pending: dict[int, int] = {}
         self.eval_snapshot: dict[int, tuple] = {}  # version -> (scheduler stats, wall, server stats ref)
+        self.evals_due: list[tuple[int, Any]] = []  # (version, state ref): evaluated once the next work is dispatched
         self.busy_actors: set[int] = set()
         self.round_queue: list[int] = []
         self.round_outstanding = 0
@@ -196,12 +197,11 @@ class Scheduler:
             round_idle = not self.round_queue and self.round_outstanding == 0 and self.step_ref is None
             if round_idle and not self._draining():
                 self._start_round()
-            while self.round_queue and len(self.train_refs) < self.concurrency:
-                free = [c for c in self.round_queue if self.actor_of[c] not in self.busy_actors]
-                if not free:
-                    break
-                self.round_queue.remove(free[0])
-                self._dispatch(free[0])
+            # Every client of the round is dispatched at once: each queues on its host actor, so
+            # a worker goes from one client to the next without waiting for the driver, and
+            # the round's evaluation (queued after) fills the time its stragglers leave idle.
+            while self.round_queue:
+                self._dispatch(self.round_queue.pop(0))
         else:
             # Backpressure: while a full next version already waits at the server, a new update
             # would only wait there too and grow stale; let the server catch up first.
@@ -229,6 +229,11 @@ class Scheduler:
             ref = self.actors[a].evaluate.remote(clients, state_ref)
             self.eval_refs[ref] = version
             self.eval_actor[ref] = a
+
+    def _start_due_evals(self) -> None:
+        due, self.evals_due = self.evals_due, []
+        for version, state_ref in due:
+            self._start_eval(version, state_ref)
 
     def _eval_due(self, version: int) -> bool:
         return version % self.eval_every == 0 or version == self.rounds
@@ -341,6 +346,7 @@ class Scheduler:
                 del self.eval_refs[ref]
         for version in [v for v in self.eval_pending if v > restored]:
             del self.eval_pending[version], self.eval_results[version], self.eval_snapshot[version]
+        self.evals_due = [(v, ref) for v, ref in self.evals_due if v <= restored]
 
     def _on_receipt(self, ref) -> None:
         self.receipt_refs.discard(ref)
@@ -381,9 +387,11 @@ class Scheduler:
     def _on_new_version(self, new_version: int, state_ref) -> None:
         if self.mode == "sync":
             self.submits_since_version = 0  # the round's step consumed them
-        # each version is evaluated against its own state, whatever order versions are seen in
+        # each version is evaluated against its own state, whatever order versions are seen in;
+        # started after the next updates are dispatched, so the evaluation queues behind them on
+        # each worker and overlaps the server's aggregation instead of delaying the next round
         if self._eval_due(new_version):
-            self._start_eval(new_version, state_ref)
+            self.evals_due.append((new_version, state_ref))
         if new_version > self.version:
             self.version = new_version
             self.global_ref = state_ref
@@ -519,15 +527,17 @@ class Scheduler:
         """Run until ``rounds`` versions exist and their evaluation is logged; returns the version.
         Raises :class:`StopRequested` after a requested stop (checkpoint written when possible)."""
         if self.evaluate_start:
-            self._start_eval(self.version, self.global_ref)
+            self.evals_due.append((self.version, self.global_ref))
         # receipts too: one for an earlier version may still be due for evaluation after the last
-        while self.version < self.rounds or self.eval_refs or self.receipt_refs:
+        while self.version < self.rounds or self.eval_refs or self.receipt_refs or self.evals_due:
+            self._fill_slots()  # takes no new work while draining
+            self._start_due_evals()
             # a stop also waits for running evaluations, so every version up to the checkpoint is logged
             if self._draining() and self._quiet() and not (self.stop_reason is not None and self.eval_refs):
                 self._checkpoint()
                 if self.stop_reason is not None:
                     raise StopRequested(self.stop_reason, self.version)
-            self._fill_slots()
+                continue
             if (self.mode == "async" and self.versions_ref is None and self.version < self.rounds
                     and not (self.stop_reason and self._quiet())):
                 self.versions_ref = self.server.wait_versions.remote()

@@ -10,8 +10,28 @@ def plan(overrides, cpus=2.0, gpus=0.0):
     return plan_resources(build_config({}, overrides), cpus, gpus)
 
 
-def test_auto_shares_fit_twenty_actors_on_two_cpus():
-    p = plan(["federation.num_clients=20"])
+def test_auto_packing_makes_one_worker_per_cpu():
+    p = plan(["federation.num_clients=20"])  # resources.clients_per_actor: auto (the default)
+    assert p.num_actors == 2 and p.clients_per_actor == 10
+    assert p.server_num_cpus == 0.5 and p.client_num_cpus == 0.75 and p.torch_threads == 1 and p.concurrency == 2
+    p = plan(["federation.num_clients=20"], cpus=8)
+    assert p.num_actors == 8 and p.clients_per_actor == 3  # 20 clients over 8 slots: 3, 3, ..., 2
+    p = plan(["federation.num_clients=3"], cpus=8)
+    assert p.num_actors == 3 and p.clients_per_actor == 1  # never more workers than clients
+    p = plan(["federation.num_clients=20"], cpus=4, gpus=1)
+    assert p.num_actors == 4 and p.client_num_gpus == pytest.approx(0.2)  # 4 workers + server share the GPU
+
+
+def test_auto_packing_never_creates_more_actors_than_slots():
+    for cpus in (1, 2, 3, 7, 16):
+        for n in (1, 5, 20, 1000):
+            p = plan([f"federation.num_clients={n}", "federation.buffer_size=1"], cpus=cpus)
+            assert p.num_actors <= min(cpus, n)
+            assert p.num_actors * p.clients_per_actor >= n
+
+
+def test_one_client_per_actor_keeps_fractional_shares():
+    p = plan(["federation.num_clients=20", "resources.clients_per_actor=1"])
     assert p.num_actors == 20 and p.server_num_cpus == 0.5
     assert p.server_num_cpus + 20 * p.client_num_cpus <= 2.0
     assert p.client_num_gpus == 0 and p.concurrency == 2 and p.torch_threads == 1
@@ -27,6 +47,18 @@ def test_clients_per_actor_reduces_actors():
     p = plan(["federation.num_clients=10", "resources.clients_per_actor=4"])
     assert p.num_actors == 3
     assert assign_clients(10, 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_assignment_balances_work_across_actors():
+    # longest first onto the least loaded actor with room: 9 -> a0, 8 -> a1, 5 -> a1 (8 < 9), 4 -> a0, 1 -> a1, 1 -> a0
+    work = [1.0, 9.0, 4.0, 8.0, 5.0, 1.0]
+    groups = assign_clients(6, 3, work=work)
+    assert groups == [[0, 1, 2], [3, 4, 5]]
+    assert [sum(work[c] for c in g) for g in groups] == [14.0, 14.0]
+    assert sorted(c for g in groups for c in g) == list(range(6))
+    # capacity is respected even when one client dominates
+    groups = assign_clients(5, 2, work=[100.0, 1.0, 1.0, 1.0, 1.0])
+    assert max(len(g) for g in groups) <= 2 and sorted(c for g in groups for c in g) == list(range(5))
 
 
 def test_more_gpus_than_the_cluster_has_is_refused_with_the_key():

@@ -1,0 +1,164 @@
+"""The run's actors: one placement group, worker actors that start before their data is ready,
+the server, restarts into the same bundle, shutdown.
+
+Order of a start (``run_experiment``)::
+
+    fleet.start_workers()      # placement group (all or nothing) + worker processes start (import torch ...)
+    ... the driver partitions the data, creates the output folder, starts the MLflow run ...
+    fleet.data_ref = ray.put(dataset)             # once; every actor maps it zero-copy
+    fleet.assign(groups, partition, ...)          # which worker hosts which clients
+    fleet.start_server(); fleet.setup_workers()   # data handed over through the object store
+    fleet.wait_started(...)                       # every actor built, or a clear error
+
+Inside a Ray Tune trial the trial's own placement group already holds every actor (Tune
+captures the actors a trial creates), so no second group is made there.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import ray
+
+from rayfed_proto.config import InputError
+
+
+class _Fleet:
+    def __init__(self, cfg_dict: dict, plan, fed, name: str):
+        self.cfg_dict, self.plan, self.fed, self.name = cfg_dict, plan, fed, name
+        self.pg = None
+        self.generation: dict[Any, int] = {}
+        self.handles: dict[str, Any] = {"actors": [], "server": None}
+        self.data_ref = None
+        self.groups: list[list[int]] = []
+        self.setup_refs: list = []
+
+    # ------------------------------------------------------------------ placement
+    def _bundles(self) -> Optional[list[dict[str, float]]]:
+        """Server bundle first, then one per worker; None when a bundle would be empty (explicit
+        zero shares), which a placement group cannot hold."""
+        p = self.plan
+
+        def bundle(cpus: float, gpus: float) -> dict[str, float]:
+            return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
+
+        bundles = [bundle(p.server_num_cpus, p.server_num_gpus)] + [bundle(p.client_num_cpus, p.client_num_gpus)] * p.num_actors
+        return bundles if all(bundles) else None
+
+    def _strategy(self, index: int) -> dict[str, Any]:
+        if self.pg is None:
+            return {}
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index)}
+
+    def _make_group(self) -> None:
+        from ray.util import get_current_placement_group, placement_group
+
+        if get_current_placement_group() is not None:  # a Tune trial: its group already holds the actors
+            return
+        bundles = self._bundles()
+        if bundles is not None:
+            # PACK: on one node when it fits, spread over nodes when not; all bundles or none
+            self.pg = placement_group(bundles, strategy="PACK", name=f"rayfed:{self.name}")
+
+    # ------------------------------------------------------------------ actors
+    def _new_worker_actor(self, a: int):
+        from rayfed_proto.runtime.actors import ClientActor
+
+        self.generation[a] = self.generation.get(a, -1) + 1
+        return ClientActor.options(num_cpus=self.plan.client_num_cpus, num_gpus=self.plan.client_num_gpus,
+                                   name=f"rayfed:{self.name}:client:{a}:{self.generation[a]}",
+                                   **self._strategy(1 + a)).remote(self.cfg_dict, self.plan.torch_threads)
+
+    def start_workers(self) -> None:
+        """Reserve the placement group and start the worker processes (no data yet)."""
+        self._make_group()
+        self.handles["actors"] = [self._new_worker_actor(a) for a in range(self.plan.num_actors)]
+
+    def assign(self, groups: list[list[int]], partition, num_classes: int, channels: int, image_size: int) -> None:
+        self.groups, self.partition = groups, partition
+        self.shape = (num_classes, channels, image_size)
+
+    def _setup(self, a: int, actor):
+        splits = [self.partition.clients[c] for c in self.groups[a]]
+        return actor.setup.remote(self.data_ref, splits, self.partition.public_idx)
+
+    def setup_workers(self) -> None:
+        self.setup_refs = [self._setup(a, actor) for a, actor in enumerate(self.handles["actors"])]
+
+    def new_worker(self, a: int):
+        """A replacement for worker ``a`` (same bundle, same clients), set up from the object store."""
+        actor = self._new_worker_actor(a)
+        self._setup(a, actor)  # queued before any later call on it
+        return actor
+
+    def new_server(self):
+        from rayfed_proto.runtime.actors import ServerActor
+
+        self.generation["server"] = self.generation.get("server", -1) + 1
+        fed, p = self.fed, self.plan
+        self.handles["server"] = ServerActor.options(
+            num_cpus=p.server_num_cpus, num_gpus=p.server_num_gpus,
+            name=f"rayfed:{self.name}:server:{self.generation['server']}", **self._strategy(0)).remote(
+            self.cfg_dict, *self.shape, fed.buffer_size if fed.mode == "async" else None, max(1, p.torch_threads),
+            self.data_ref, self.partition.global_test_idx, self.partition.public_idx)
+        return self.handles["server"]
+
+    def start_server(self) -> None:
+        self.new_server()
+
+    def wait_started(self, cluster: dict, timeout: float, progress: bool) -> None:
+        """Block until the placement group is placed and every actor is built and set up; a
+        request the cluster cannot place fails loudly, naming what was asked and what it has."""
+        p = self.plan
+        asked = (f"Each client actor asks {p.client_num_cpus:g} CPU and {p.client_num_gpus:g} GPU, the server "
+                 f"{p.server_num_cpus:g} CPU and {p.server_num_gpus:g} GPU ({p.num_actors} client actors + 1 server, one "
+                 f"placement group); the cluster has {cluster.get('CPU', 0):g} CPU and {cluster.get('GPU', 0):g} GPU "
+                 f"(other jobs may hold some). Lower resources.client_num_gpus / client_num_cpus, raise "
+                 f"resources.clients_per_actor, or raise resources.placement_timeout_s.")
+        deadline = time.monotonic() + timeout
+        if self.pg is not None:
+            ready, _ = ray.wait([self.pg.ready()], timeout=timeout)
+            if not ready:
+                raise InputError(f"the run's placement group was not placed within {timeout:.0f} s. {asked}")
+        refs = list(self.setup_refs) + [self.handles["server"].info.remote()]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(refs), desc="starting actors", unit="actor", dynamic_ncols=True, leave=False)
+        pending = refs
+        try:
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise InputError(f"{len(pending)} of {len(refs)} actors were not started within {timeout:.0f} s. {asked}")
+                ray.get(ready)  # re-raises an actor's constructor or setup error
+                if bar is not None:
+                    bar.update(len(ready))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def shutdown(self) -> None:
+        handles = list(self.handles["actors"]) + ([self.handles["server"]] if self.handles["server"] is not None else [])
+        if self.handles["server"] is not None:
+            try:
+                ray.get(self.handles["server"].stop.remote(), timeout=5)  # the server's training thread
+            except Exception:  # already dead: killing it below is enough
+                pass
+        for h in handles:
+            try:
+                ray.kill(h)
+            except Exception:  # already dead: nothing to release
+                pass
+        if self.pg is not None:
+            from ray.util import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:  # the cluster is gone already
+                pass
+            self.pg = None
