@@ -225,8 +225,10 @@ def _run_experiment(
         if ckpt is not None:
             run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
             echo(f"resuming from {ckpt.path} (version {ckpt.version})")
-            # logged by the earlier driver beyond what the checkpoint's history holds: evaluated again now
-            redone = tracker.note_superseded_steps(max((h["version"] for h in driver_state.get("history", [])), default=-1))
+            # logged by the earlier driver after the checkpoint (and the checkpoint's own version when its
+            # history lacks it): evaluated again now
+            evaluated = {h["version"] for h in driver_state.get("history", [])}
+            redone = tracker.note_superseded_steps(ckpt.version if ckpt.version in evaluated else ckpt.version - 1)
             if redone:
                 echo(f"versions {redone[0]}..{redone[-1]} were logged after that checkpoint and are redone: MLflow keeps "
                      "both points (the later is valid; tag superseded_steps); history.parquet holds only the valid ones")

@@ -532,8 +532,9 @@ class Scheduler:
         while self.version < self.rounds or self.eval_refs or self.receipt_refs or self.evals_due:
             self._fill_slots()  # takes no new work while draining
             self._start_due_evals()
-            # a stop also waits for running evaluations, so every version up to the checkpoint is logged
-            if self._draining() and self._quiet() and not (self.stop_reason is not None and self.eval_refs):
+            # every checkpoint (not only a stop's) waits for running evaluations, so every version up to
+            # it is in the history it saves: a resume cannot evaluate an earlier version again
+            if self._draining() and self._quiet() and not self.eval_refs and not self.evals_due:
                 self._checkpoint()
                 if self.stop_reason is not None:
                     raise StopRequested(self.stop_reason, self.version)

@@ -87,11 +87,11 @@ def test_resume_falls_back_to_the_older_checkpoint_when_the_newest_is_damaged(ra
     result = run_experiment(build_config({}, common), resume_dir=out, progress=False, echo=said.append)
     assert any("version 1" in s for s in said if s.startswith("resuming from"))
     assert result.final_version == 3 and MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
-    # versions 1 (its evaluation was not in the checkpoint's history yet) and 2 were logged before the
-    # stop and are evaluated again: recorded in a tag, and one row per version on disk
+    # version 2 was logged before the stop and is evaluated again: recorded in a tag (MLflow keeps both
+    # points), and exactly one row per version in history.parquet
     client = MlflowClient(uri)
-    assert client.get_run(result.run_id).data.tags["superseded_steps"] == "1-2"
-    assert [s for s, _ in _points(client, result.run_id, "head_acc")] == [0, 1, 1, 2, 2, 3]
+    assert client.get_run(result.run_id).data.tags["superseded_steps"] == "2"
+    assert [s for s, _ in _points(client, result.run_id, "head_acc")] == [0, 1, 2, 2, 3]
     import pandas as pd
 
     assert list(pd.read_parquet(out / "history.parquet")["version"]) == [0, 1, 2, 3]
