@@ -171,14 +171,13 @@ def alignment_loss(
     """
     if targets.numel() == 0:
         return features.sum() * 0.0
-    keep = mask[labels]
-    if not bool(keep.any()):
-        return features.sum() * 0.0
-    diff = features[keep] - targets[labels[keep]]
+    # masked mean instead of selecting rows: no host/device synchronisation per step
+    keep = mask[labels].to(features.dtype)
+    diff = features - targets[labels]
     per_sample = (diff * diff).sum(1)
     if reduction == "mean":
         per_sample = per_sample / features.shape[1]
-    return per_sample.mean()
+    return (per_sample * keep).sum() / keep.sum().clamp(min=1.0)
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,11 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux reports KiB
 
 
+def _gpu_peak_mib(device: torch.device) -> float:
+    """Peak CUDA memory this process allocated through torch (NaN without a GPU)."""
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
+
+
 def _pss_mib() -> float:
     """Proportional set size: RSS with shared pages (libtorch, CUDA libraries) divided among the
     processes sharing them, so summing it over actors gives the real footprint. NaN off Linux."""
@@ -103,7 +108,8 @@ class ClientActor:
         live = self.host.live_count() if self.host is not None else 0
         return {**_placement(), "device": str(self.device), "clients": hosted, "live_clients": live,
                 "materialised": self.host.materialised if self.host is not None else 0,
-                "torch_threads": torch.get_num_threads(), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib()}
+                "torch_threads": torch.get_num_threads(), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib(),
+                "gpu_peak_mib": _gpu_peak_mib(self.device)}
 
 
 @ray.remote(max_concurrency=4)  # threaded: submissions, version waits and stats run beside training

@@ -366,8 +366,10 @@ def _run_experiment(
                 bar.close()
             _record_failure(tracker, scheduler, history, out, str(e))  # the run ends FAILED (status unchanged)
             raise
+        startup = _startup_s(scheduler)
         tracker.log_metrics(_end_counters(history, final_version, {"updates_withheld_after_end": scheduler.stats.withheld,
-                                                                   **_reliability_metrics(scheduler)}), step=final_version)
+                                                                   **_reliability_metrics(scheduler)})
+                            | ({"startup_s": startup} if startup is not None else {}), step=final_version)
         if cfg.checkpoint.every:  # at the end version, so that the run can be continued with more rounds
             scheduler._checkpoint()
         if bar is not None:
@@ -385,7 +387,8 @@ def _run_experiment(
 
         summary = format_summary_table(history, extra={
             "algorithm": cfg.algorithm.name, "dataset": f"{cfg.data.name} ({cfg.data.partition.name})",
-            "clients": f"{fed.num_clients} ({fed.mode}, concurrency {plan.concurrency})",
+            "clients": f"{fed.num_clients} ({fed.mode}, concurrency {plan.concurrency}, {plan.num_actors} client actors)",
+            **({"startup (process start to first update)": f"{startup:.1f} s"} if startup is not None else {}),
             "MLflow run": f"{run_id} @ {tracker.uri}" if run_id else "tracking disabled",
         })
         (out / "summary.txt").write_text(summary + "\n")
@@ -465,6 +468,19 @@ def _end_counters(history: list[dict[str, Any]], final_version: int, counters: d
     with the same value (each step gets one point per metric unless a counter moved since)."""
     last = next((h for h in reversed(history) if h.get("version") == final_version), {})
     return {k: v for k, v in counters.items() if k not in last or last[k] != v}
+
+
+def _startup_s(scheduler) -> Optional[float]:
+    """Seconds from this process's start to the first local update returned (what a user waits
+    before training shows); None when no update came back."""
+    if scheduler.first_update_unix is None:
+        return None
+    try:
+        import psutil
+
+        return scheduler.first_update_unix - psutil.Process().create_time()
+    except Exception:  # no psutil or no /proc: not measurable here
+        return None
 
 
 def _reliability_metrics(scheduler) -> dict[str, float]:

@@ -137,6 +137,7 @@ class Scheduler:
         self.eval_incomplete: set[int] = set()
         self.orphans: set = set()  # update refs trained against a server that died
         self.round_was_started = False
+        self.first_update_unix: Optional[float] = None  # when the first local update came back (startup cost)
         self.t0 = time.perf_counter()
 
     # ---------------------------------------------------------------------------- helpers
@@ -251,6 +252,8 @@ class Scheduler:
             self.orphans.discard(update_ref)
             self.stats.updates_lost_server += 1
             return
+        if self.first_update_unix is None:
+            self.first_update_unix = time.time()
         self.stats.busy_s += meta["busy_s"]
         self.stats.bytes_up += meta["upload_bytes"]
         self.stats.bytes_down += meta["download_bytes"]

@@ -121,8 +121,10 @@ def test_client_actor_dead_when_its_checkpoint_snapshot_is_taken(ray_session, tr
 def test_client_failing_beyond_the_limit_is_excluded_not_fatal(ray_session, tracking):
     _, track = tracking
     kill_client_zero_each_time, kills = _killer("client:0", {1, 2})
-    # sync mode: client 0 is in every round (participation 1), so each kill costs its update
-    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=5",
+    # sync mode: client 0 is in every round (participation 1), so each kill costs its update; one
+    # client per actor, so that a kill counts against client 0 alone (a packed worker's death counts
+    # against every client it hosts)
+    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=5", "resources.clients_per_actor=1",
                                             "reliability.max_client_failures=1", "checkpoint.every=0"])
     result = run_experiment(cfg, on_eval=kill_client_zero_each_time, **QUIET)
     assert result.final_version == 5 and len(kills) == 2

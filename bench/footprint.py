@@ -1,0 +1,108 @@
+"""Startup and peak memory of a whole run: the `rayfed-proto run` process and every process it
+starts (Ray's GCS and raylet, the worker actors), sampled twice a second.
+
+Memory is the sum of PSS over the process tree (proportional set size: shared pages, such as
+libtorch's, are divided among the processes that share them, so the sum is the real footprint;
+RSS would count libtorch once per process) and, beside it, the sum of RSS. Startup is the
+run's own `startup_s` metric: from the process start to the first local update returned.
+
+    .venv/bin/python bench/footprint.py demo --out bench/results/footprint_demo       # `make demo`'s experiment
+    .venv/bin/python bench/footprint.py scale --out bench/results/footprint_scale     # 1,000 clients, participation 0.05
+    .venv/bin/python bench/footprint.py demo --set resources.clients_per_actor=1      # the old layout, for comparison
+
+`scale`: 1,000 clients, participation 0.05, sync, synthetic data of MNIST's size and shape
+(70,000 images 1x28x28, iid), HtFE1 (the FedAvg CNN), FedProto, 5 rounds, evaluation at the
+last; idle clients are parked (`resources.park_idle_clients: auto`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+SCALE = ["algorithm.name=fedproto", "algorithm.lam=10", "data.name=synthetic", "data.num_samples=70000", "data.image_size=28",
+         "data.partition.name=iid", "model.group=HtFE1", "federation.num_clients=1000", "federation.mode=sync",
+         "federation.participation=0.05", "federation.rounds=5", "federation.eval_every=5", "training.batch_size=10"]
+
+
+def tree_memory(root: psutil.Process) -> tuple[float, float, int]:
+    """(sum PSS MiB, sum RSS MiB, processes) over ``root`` and its descendants."""
+    pss = rss = 0.0
+    procs = [root]
+    try:
+        procs += root.children(recursive=True)
+    except psutil.Error:
+        pass
+    n = 0
+    for p in procs:
+        try:
+            info = p.memory_full_info()
+            pss += getattr(info, "pss", info.rss) / 2**20
+            rss += info.rss / 2**20
+            n += 1
+        except psutil.Error:
+            continue
+    return pss, rss, n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("which", choices=["demo", "scale"])
+    ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for the run")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        sets = (SCALE if args.which == "scale" else []) + [
+            f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", f"tracking.output_dir={tmp / 'runs'}",
+            f"tracking.experiment_name=footprint_{args.which}"] + args.set
+        cmd = [str(Path(sys.executable).parent / "rayfed-proto"), "run"] + [f"--set={s}" for s in sets]
+        t0 = time.time()
+        proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        peak = {"pss": 0.0, "rss": 0.0, "procs": 0}
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                pss, rss, n = tree_memory(proc)
+                if pss > peak["pss"]:
+                    peak.update(pss=pss, rss=max(peak["rss"], rss), procs=n)
+                peak["rss"] = max(peak["rss"], rss)
+                time.sleep(0.5)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        output = proc.stdout.read()
+        proc.wait()
+        done.set()
+        sampler.join()
+        total_s = time.time() - t0
+        if proc.returncode != 0:
+            sys.exit(f"run failed ({proc.returncode}):\n{output[-4000:]}")
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+        run = client.search_runs([client.get_experiment_by_name(f"footprint_{args.which}").experiment_id])[0]
+        m, p = run.data.metrics, run.data.params
+    row = {"which": args.which, "clients": p.get("federation.num_clients"), "client_actors": p.get("derived.num_actors"),
+           "startup_s": round(m.get("startup_s", float("nan")), 1), "total_s": round(total_s, 1),
+           "peak_pss_gib": round(peak["pss"] / 1024, 2), "peak_rss_sum_gib": round(peak["rss"] / 1024, 2),
+           "processes_at_peak": peak["procs"], "head_acc": round(m.get("head_acc", float("nan")), 4),
+           "pss_client_actors_total_mib": round(m.get("pss_mib_client_actors_total", float("nan")), 0)}
+    print(json.dumps(row, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                             "row": row}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Seconds per synchronous round and startup, the platform against a plain sequential PyTorch
+loop, measured in the same run (so the ratio holds on any machine).
+
+The workload (issue 11): `synthetic` data of MNIST's size and shape (70,000 images 1x28x28),
+Dirichlet 0.1 over 20 clients with min_samples 20, the FedAvg CNN for every client (HtFE1),
+FedProto with lambda 10 and FedAvg, batch 10, 1 local epoch, full participation, sync,
+evaluation every round. For each method the platform runs first (a fresh `rayfed-proto run`
+process, default resources: `clients_per_actor: auto`), then the plain loop in this process
+(`bench/_plain.py`: each client in turn trains, collects its prototypes, is evaluated; torch's
+default thread count), then the ratio of the median round over rounds 2..R is printed.
+
+    .venv/bin/python bench/round_time.py --out bench/results/round_time            # both methods, 10 rounds
+    .venv/bin/python bench/round_time.py --methods fedproto --rounds 3 --samples 10000   # a quick look
+    .venv/bin/python bench/round_time.py --device cuda                               # on a GPU machine
+
+Startup: the platform's is from its process start to the first local update returned (metric
+`startup_s`: Ray start, actors, data into the object store, model builds); the plain loop's is
+from the call to its first client update (imports excluded, which favours the plain loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plain import run_plain  # noqa: E402
+
+
+def workload(args, method: str, tmp: Path) -> list[str]:
+    sets = [
+        "data.name=synthetic", f"data.num_samples={args.samples}", "data.image_size=28", "data.channels=1",
+        "data.partition.name=dirichlet", "data.partition.beta=0.1", "data.partition.min_samples=20",
+        "model.group=HtFE1", f"algorithm.name={method}", "training.batch_size=10", "training.local_epochs=1",
+        f"federation.num_clients={args.clients}", "federation.mode=sync", "federation.participation=1.0",
+        f"federation.rounds={args.rounds}", "federation.eval_every=1", "checkpoint.every=0",
+        f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", f"tracking.output_dir={tmp / 'runs'}",
+        f"tracking.experiment_name=round_time_{method}",
+    ]
+    if method == "fedproto":  # lambda 10 (FedTGP's scripts); the reference's uniform server mean, as the plain loop
+        sets += ["algorithm.lam=10", "algorithm.aggregation=uniform"]
+    if args.device == "cuda":
+        sets += ["resources.num_gpus=1"]
+    sets += args.set
+    return sets
+
+
+def run_platform(args, method: str, tmp: Path) -> dict:
+    import pandas as pd
+
+    cmd = [sys.executable, "-m", "rayfed_proto.cli", "run"] + [f"--set={s}" for s in workload(args, method, tmp)]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"platform run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    out = sorted((tmp / "runs").glob(f"*-{method}-synthetic"))[-1]
+    hist = pd.read_parquet(out / "history.parquet").sort_values("version")
+    wall = hist["wall_s"].tolist()
+    rounds = [b - a for a, b in zip(wall, wall[1:], strict=False)]  # version v exists at wall_s[v]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+    run = client.search_runs([client.get_experiment_by_name(f"round_time_{method}").experiment_id])[0]
+    return {"round_s": rounds, "startup_s": run.data.metrics.get("startup_s", float("nan")),
+            "process_s": time.time() - t0, "head_acc": float(hist["head_acc"].iloc[-1]),
+            "proto_acc": float(hist["proto_acc"].iloc[-1]) if "proto_acc" in hist else float("nan"),
+            "num_actors": int(float(run.data.params.get("derived.num_actors", "nan"))),
+            "utilisation": float(hist["slot_utilisation"].iloc[-1])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", nargs="+", default=["fedproto", "fedavg"])
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--clients", type=int, default=20)
+    ap.add_argument("--samples", type=int, default=70_000)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--set", action="append", default=[], help="extra KEY=VALUE for the platform's run")
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    args = ap.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("round_time --device cuda: no CUDA GPU on this machine; nothing was measured.")
+            sys.exit(0)
+    from rayfed_proto.config import build_config
+
+    rows = []
+    for method in args.methods:
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            print(f"[{method}] platform run ({args.rounds} rounds) ...", flush=True)
+            ours = run_platform(args, method, tmp)
+            print(f"  platform rounds: {', '.join(f'{r:.1f}' for r in ours['round_s'])} s; startup {ours['startup_s']:.1f} s",
+                  flush=True)
+            print(f"[{method}] plain loop ...", flush=True)
+            cfg = build_config({}, workload(args, method, tmp))
+            plain = run_plain(cfg, device=args.device, echo=lambda s: print(s, flush=True))
+        ours_med = statistics.median(ours["round_s"][1:] or ours["round_s"])
+        plain_med = plain.median_round()
+        rows.append({"method": method, "rounds": args.rounds, "platform_round_s": round(ours_med, 2),
+                     "plain_round_s": round(plain_med, 2), "ratio": round(ours_med / plain_med, 3),
+                     "platform_startup_s": round(ours["startup_s"], 1), "plain_startup_s": round(plain.startup_s, 1),
+                     "platform_head_acc": round(ours["head_acc"], 4), "plain_head_acc": round(plain.head_acc[-1], 4),
+                     "acc_diff_pp": round(100 * (ours["head_acc"] - plain.head_acc[-1]), 2),
+                     "platform_actors": ours["num_actors"], "platform_utilisation": round(ours["utilisation"], 3),
+                     "platform_rounds_s": [round(r, 2) for r in ours["round_s"]],
+                     "plain_rounds_s": [round(r, 2) for r in plain.round_s]})
+        r = rows[-1]
+        print(f"[{method}] median round (2..{args.rounds}): platform {r['platform_round_s']} s, plain {r['plain_round_s']} s, "
+              f"ratio {r['ratio']}; head acc {r['platform_head_acc']} vs {r['plain_head_acc']} ({r['acc_diff_pp']:+} pp)",
+              flush=True)
+    cols = ["method", "rounds", "platform_round_s", "plain_round_s", "ratio", "platform_startup_s", "plain_startup_s",
+            "platform_head_acc", "plain_head_acc", "acc_diff_pp", "platform_actors"]
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(str(r[c]) for c in cols) + " |"
+                                                                        for r in rows]
+    print("\n".join(md))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                             "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+
+
+if __name__ == "__main__":
+    main()
