@@ -8,6 +8,11 @@ equal an uninterrupted run's.
 
     python bench/fault_drill.py                       # all scenarios
     python bench/fault_drill.py --out bench/results/fault_drill
+    python bench/fault_drill.py --only guard:          # only the issue-16 guards (second table)
+
+The guards (scenarios named ``guard: ...``) are runs that must *not* simply finish: no progress,
+a damaged checkpoint, a finished or busy run folder, NaN pixels. Each reports what was expected
+and what was observed.
 """
 
 from __future__ import annotations
@@ -94,6 +99,91 @@ def scenario_runs(tmp: Path, rounds: int):
     yield "interrupt + resume (sync) vs uninterrupted", 1, stop_and_resume, None
 
 
+def guard_scenarios(tmp: Path, rounds: int):
+    """(name, expected, run) where run() returns what was observed, as text."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.config import InputError, build_config
+    from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+    from rayfed_proto.runtime.progress import NoProgressError
+    from rayfed_proto.runtime.runfolder import RunFolderLock
+
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+
+    def cfg(name, extra):
+        return build_config({}, BASE + [f"tracking.tracking_uri={uri}", f"tracking.output_dir={tmp / name}",
+                                        f"federation.rounds={rounds}", *extra])
+
+    quiet = {"progress": False, "echo": lambda s: None}
+
+    def no_progress():
+        try:
+            run_experiment(cfg("all_garbage", ["federation.mode=async", "federation.buffer_size=2", "checkpoint.every=0",
+                                               "faults.corrupt_clients=[0,1,2,3]", "reliability.max_consecutive_refusals=8"]),
+                           **quiet)
+            return "finished (WRONG)"
+        except NoProgressError as e:
+            client = MlflowClient(uri)
+            exp = client.get_experiment_by_name("rayfed_proto")
+            run = [r for r in client.search_runs([exp.experiment_id]) if "failure_reason" in r.data.tags][-1]
+            return (f"NoProgressError; MLflow {run.info.status}, updates_refused={run.data.metrics.get('updates_refused'):g}: "
+                    f"{str(e)[:60]}...")
+
+    yield "guard: every client uploads garbage (async)", "stops, MLflow FAILED, refusals logged", no_progress
+
+    def empty_sync():
+        result = run_experiment(cfg("all_garbage_sync", ["federation.mode=sync", "checkpoint.every=0",
+                                                         "faults.corrupt_clients=[0,1,2,3]"]), **quiet)
+        return f"finished; versions_empty={result.history[-1]['versions_empty']} of {result.final_version}"
+
+    yield "guard: every update refused (sync)", "counted and warned per version", empty_sync
+
+    def damaged_then_finished():
+        common = ["federation.mode=sync", "checkpoint.every=1", "checkpoint.keep=2"]
+        try:
+            run_experiment(cfg("damaged", common + [f"faults.stop_at_version={rounds // 2}"]), **quiet)
+        except RunInterrupted as stop:
+            out = stop.output_dir
+        newest = checkpoint_store(cfg("damaged", common), out).latest()
+        data = (newest.path / "server.pt").read_bytes()
+        (newest.path / "server.pt").write_bytes(data[: len(data) // 2])
+        said: list[str] = []
+        result = run_experiment(cfg("damaged", common), resume_dir=out, progress=False, echo=said.append)
+        observed = next(s for s in said if s.startswith("resuming from")).split("(")[-1].rstrip(")")
+        held = RunFolderLock(out).acquire()
+        try:
+            run_experiment(cfg("damaged", common), resume_dir=out, **quiet)
+            busy = "second driver ran (WRONG)"
+        except InputError as e:
+            busy = "second driver refused" if "in use by another driver" in str(e) else f"refused: {e}"
+        finally:
+            held.release()
+        try:
+            run_experiment(cfg("damaged", common), resume_dir=out, **quiet)
+            again = "rerun (WRONG)"
+        except InputError as e:
+            again = "refused (finished)" if "already finished" in str(e) else f"refused: {e}"
+        more = run_experiment(cfg("damaged", [*common, f"federation.rounds={rounds + 1}"]), resume_dir=out, **quiet)
+        return (f"newest v{newest.version} damaged: resumed from {observed}, finished v{result.final_version}; {busy}; "
+                f"resume of finished: {again}; rounds+1: finished v{more.final_version}")
+
+    yield "guard: damaged newest checkpoint, then busy / finished folder", \
+        "older checkpoint used; second driver and rerun refused; extension continues", damaged_then_finished
+
+    def nan_pixels():
+        images = np.random.default_rng(0).random((60, 8, 8)).astype(np.float32)
+        images[11, 1, 1] = np.nan
+        path = tmp / "nan.npz"
+        np.savez(path, images=images, labels=np.arange(60) % 3)
+        try:
+            run_experiment(cfg("nan", ["data.name=npz", f"data.path={path}"]), **quiet)
+            return "ran (WRONG)"
+        except InputError as e:
+            return str(e).split(": ", 1)[1][:70]
+
+    yield "guard: .npz images with NaN", "refused before the run (exit 2)", nan_pixels
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
@@ -103,8 +193,19 @@ def main(argv=None) -> int:
     import ray
 
     ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
-    rows = []
+    rows, guards = [], []
     with tempfile.TemporaryDirectory() as d:
+        for name, expected, run in guard_scenarios(Path(d), args.rounds):
+            if args.only not in name:
+                continue
+            t0 = time.perf_counter()
+            try:
+                observed = run()
+            except Exception as e:  # a drill reports a failure instead of stopping the others
+                observed = f"ERROR {e!r}"[:300]
+            guards.append({"scenario": name, "expected": expected, "observed": observed,
+                           "wall_s": round(time.perf_counter() - t0, 1)})
+            print(json.dumps(guards[-1]), flush=True)
         for name, injected, run, done in scenario_runs(Path(d), args.rounds):
             if args.only not in name:
                 continue
@@ -128,15 +229,19 @@ def main(argv=None) -> int:
     ray.shutdown()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"runs": rows, "guards": guards}, indent=1))
     cols = ["scenario", "injected", "finished", "client_failures", "clients_excluded", "server_restarts", "updates_lost",
             "versions_redone", "updates_refused", "global_state_finite", "exact_resume"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |")
+    if guards:
+        lines += ["", "| guard | expected | observed |", "|---|---|---|"]
+        lines += [f"| {g['scenario'][7:]} | {g['expected']} | {g['observed']} |" for g in guards]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    return 0 if all(r.get("finished") for r in rows) else 1
+    return 0 if all(r.get("finished") for r in rows) and not any("WRONG" in g["observed"] or "ERROR" in g["observed"]
+                                                                 for g in guards) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """``rayfed-proto``: run, validate, list and tune.
 
-Exit codes: 0 success; 2 invalid input (config, dataset, resources), with a message naming the
-key, the value and what is allowed; 130 interrupted; 1 anything else.
+Exit codes: 0 success; 2 invalid input (config, dataset, resources, a run folder in use or with
+no usable checkpoint), with a message naming the key or file, the value and what is allowed;
+130 interrupted (143 SIGTERM); 1 a failure during the run (e.g. no progress), with the reason.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def resolve_config_arg(config: str | None) -> Path:
     path = Path(config)
     if not path.exists() and path.suffix == "" and config in preset_names():
         return presets_dir() / f"{config}.yaml"
+    if not path.exists() and path.suffix not in (".yaml", ".yml") and "/" not in config:
+        import difflib
+
+        close = difflib.get_close_matches(config, preset_names(), n=3, cutoff=0.5)
+        raise ConfigError([ConfigIssue(key="<config>", value=config, allowed=(
+            "an existing YAML file or a preset name" + (f" (did you mean {', '.join(close)}?)" if close else "")
+            + "; presets: " + ", ".join(preset_names())))])
     return path
 
 
@@ -208,6 +216,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from rayfed_proto.data.datasets import DatasetNotFoundError
     from rayfed_proto.registry import UnknownNameError
+    from rayfed_proto.runtime.progress import NoProgressError
 
     try:
         return args.func(args)
@@ -217,6 +226,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (InputError, DatasetNotFoundError, UnknownNameError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except NoProgressError as e:  # a fault during the run, not bad input: exit 1, with the reason
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:
         from rayfed_proto.runtime.driver import RunInterrupted
 

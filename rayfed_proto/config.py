@@ -193,6 +193,12 @@ class ReliabilityConfig(_Section):
     max_server_failures: int = Field(3, ge=0, description="server actor deaths survived before the run fails")
     drain_timeout_s: float = Field(
         300.0, gt=0, description="on interrupt or checkpoint: how long running updates may take to finish")
+    max_consecutive_refusals: int = Field(
+        100, ge=0, description="stop the run (FAILED) after this many submitted updates in a row were refused or dropped "
+                               "with none accepted in between (0: never)")
+    no_progress_timeout_s: float = Field(
+        3600.0, ge=0, description="stop the run (FAILED) when no new server version came for this many seconds "
+                                  "(not counting checkpoint drains; 0: never)")
 
 
 class FaultsConfig(_Section):
@@ -382,10 +388,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed=(
+                "a YAML file; this is a directory, not a config (to continue a run from its folder: "
+                "rayfed-proto run --resume DIR)"))])
         if not p.is_file():
             raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed="an existing YAML file")])
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed=(
+                f"a UTF-8 text YAML file; this one is binary or not UTF-8 (byte {e.object[e.start]:#04x} at offset "
+                f"{e.start})"))]) from None
         except yaml.YAMLError as e:
             raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed=f"valid YAML ({e})")]) from None
     return build_config(raw, overrides, str(path) if path else None)

@@ -248,6 +248,13 @@ def _to_unit_range(images: np.ndarray, where: str) -> np.ndarray:
     """uint8 stays uint8; other integers must be 0..255; floats above 1 are taken as 0..255."""
     if images.dtype == np.uint8:
         return images
+    if np.issubdtype(images.dtype, np.floating) or np.issubdtype(images.dtype, np.complexfloating):
+        bad = ~np.isfinite(images)
+        if bad.any():  # NaN compares False both ways: the range checks below would let it through
+            first = int(np.argmax(bad.reshape(len(images), -1).any(axis=1)))
+            raise ValueError(f"{where}: 'images' contain NaN/inf: {int(bad.sum())} values in "
+                             f"{int(bad.reshape(len(images), -1).any(axis=1).sum())} images, the first at index {first}; "
+                             "every pixel must be a finite number (uint8 0..255, or floats in [0, 1] or [0, 255])")
     lo, hi = float(images.min()), float(images.max())
     if np.issubdtype(images.dtype, np.integer):
         if lo < 0 or hi > 255:
@@ -261,6 +268,24 @@ def _to_unit_range(images: np.ndarray, where: str) -> np.ndarray:
     return x / 255.0 if hi > 1.0 else x
 
 
+def zlib_error() -> type:
+    import zlib
+
+    return zlib.error
+
+
+def dataset_warnings(dataset: ArrayDataset) -> list[str]:
+    """Things that make a run pointless although nothing is invalid (printed before training)."""
+    labels = getattr(dataset, "labels", None)
+    if labels is None:
+        return []
+    present = np.unique(np.asarray(labels))
+    if len(present) < 2:
+        return [f"dataset {dataset.name!r} has a single class ({present.tolist()}): every prediction is trivially right "
+                "and prototypes cannot separate anything; check data.path / the labels"]
+    return []
+
+
 def _int_column(values: np.ndarray, key: str, where: str) -> np.ndarray:
     """An integer (N,) column; floats are accepted only when every value is whole."""
     if values.ndim != 1:
@@ -269,6 +294,11 @@ def _int_column(values: np.ndarray, key: str, where: str) -> np.ndarray:
         np.issubdtype(values.dtype, np.floating) and bool(np.all(np.isfinite(values)))
         and bool(np.all(values == np.round(values))))
     if not integral:
+        if np.issubdtype(values.dtype, np.floating):
+            odd = ~np.isfinite(values) | (values != np.round(np.nan_to_num(values)))
+            first = int(np.argmax(odd))
+            raise ValueError(f"{where}: {key!r} must be whole numbers (class indices 0, 1, 2, ...), found "
+                             f"{values[first].item()!r} at index {first} ({int(odd.sum())} such values)")
         raise ValueError(f"{where}: {key!r} must hold integers, got dtype {values.dtype}")
     return values.astype(np.int64)
 
@@ -286,8 +316,16 @@ def load_npz(cfg: DataConfig, seed: int) -> ArrayDataset:
     if not path.is_file():
         raise DatasetNotFoundError(f"npz dataset: file {path} (data.path) does not exist")
     where = str(path)
-    with np.load(path, allow_pickle=False) as f:
-        arrays = {key: f[key] for key in f.files}
+    import zipfile
+
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            if not hasattr(f, "files"):  # a bare .npy saved under a .npz name
+                raise ValueError("it holds a single array, not named arrays")
+            arrays = {key: f[key] for key in f.files}
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError, zlib_error()) as e:
+        raise ValueError(f"{where}: not a readable .npz archive ({type(e).__name__}: {e}); expected a file written by "
+                         "numpy.savez / savez_compressed with at least 'images' and 'labels' (data.path)") from None
     for key in ("images", "labels"):
         if key not in arrays:
             raise ValueError(f"{where}: missing key {key!r} (keys present: {', '.join(sorted(arrays)) or 'none'})")

@@ -3,7 +3,8 @@
 Layout of a checkpoint folder (one per checkpointed server version)::
 
     <dir>/v000040/
-        manifest.json      written last: version, run id, files, when; its presence marks completeness
+        manifest.json      written last: version, run id, each file's size and SHA-256, when; its
+                           presence marks completeness, its checksums are verified before use
         server.pt          ServerCore state (algorithm modules and their optimizers, buffer, counters)
                            plus the server process's torch RNG state
         clients/<id>.pt    ClientRunner state (model, optimizer, algorithm state, batch RNG)
@@ -14,11 +15,19 @@ A checkpoint is first written to a hidden ``.tmp-...`` folder beside the others 
 place only once every file is on disk (``os.replace`` of a folder is atomic on POSIX); a crash
 while writing leaves a ``.tmp-`` folder that :meth:`CheckpointStore.latest` never loads and the
 next save removes. Only the newest ``keep`` complete checkpoints are kept.
+
+Before a checkpoint is used, :meth:`CheckpointStore.latest` verifies it against its manifest
+(every file present, same size, same SHA-256); a damaged one is skipped with a warning naming it
+and the next older complete one is used. Files are read with ``torch.load(weights_only=True)``:
+only tensors, plain containers, numpy arrays and this project's message dataclasses can come out
+of a checkpoint, so a checkpoint folder on shared storage cannot run code.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -27,10 +36,44 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import torch
+
+from rayfed_proto.config import InputError
 
 MANIFEST = "manifest.json"
 _PREFIX = "v"
+_FORMAT = 2  # 2: the manifest lists every file with its size and SHA-256
+
+log = logging.getLogger("rayfed_proto")
+
+
+class CheckpointError(InputError):
+    """A checkpoint that cannot be used (damaged, incomplete, or holding objects that are not data);
+    the message names the folder or file and what is wrong."""
+
+
+def _safe_globals() -> list:
+    """What a checkpoint of this project may hold besides tensors and plain containers: numpy
+    arrays and scalars (algorithm states, the update buffer) and the message dataclasses."""
+    from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype,
+               ClientUpdate, GlobalState, PrototypeSet]
+    allowed += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType") and n != "ObjectDType"]
+    return allowed
+
+
+torch.serialization.add_safe_globals(_safe_globals())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -41,8 +84,54 @@ def _save(obj: Any, path: Path) -> None:
 
 
 def _load(path: Path) -> Any:
-    # our own files (plain dicts, tensors, numpy arrays, message dataclasses): not untrusted input
-    return torch.load(path, map_location="cpu", weights_only=False)
+    # weights_only: a checkpoint on shared storage must not be able to run code when loaded
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, garbage, or an object type a checkpoint never holds
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load {path}: {first} (expected a checkpoint file written by rayfed-proto: "
+                              "tensors, numpy arrays and plain containers)") from None
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder, checked for the keys a checkpoint needs."""
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: not a readable JSON manifest ({e})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("version"), int):
+        raise CheckpointError(f"{path}: expected a JSON object with an integer 'version', got {str(manifest)[:80]!r}")
+    files = manifest.get("files")
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str) for v in files.values())):
+        raise CheckpointError(f"{path}: 'files' must map each file to its size and sha256")
+    return manifest
+
+
+def verify(folder: Path) -> dict[str, Any]:
+    """Check a checkpoint folder against its manifest (each file present, same size, same
+    SHA-256); returns the manifest or raises :class:`CheckpointError` saying what is wrong.
+    A manifest without a file list (written before checksums existed) is checked for the files
+    every checkpoint has."""
+    manifest = read_manifest(folder)
+    files = manifest.get("files")
+    if files is None:
+        expected = {"server.pt": None, "driver.pt": None}
+    else:
+        expected = files
+    for name, meta in expected.items():
+        f = folder / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing")
+        if meta is None:
+            continue
+        size = f.stat().st_size
+        if size != meta["size"]:
+            raise CheckpointError(f"{f} has {size} bytes, the manifest says {meta['size']}")
+        if _sha256(f) != meta["sha256"]:
+            raise CheckpointError(f"{f} does not match its checksum in the manifest")
+    return manifest
 
 
 @dataclass
@@ -100,8 +189,10 @@ class CheckpointStore:
             client_ids.append(int(cid))
         _save(actor_rng, tmp / "actors.pt")
         _save(driver, tmp / "driver.pt")
-        manifest = {"version": int(version), "run_id": run_id, "clients": sorted(client_ids),
-                    "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        files = {p.relative_to(tmp).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+                 for p in sorted(tmp.rglob("*.pt"))}
+        manifest = {"version": int(version), "run_id": run_id, "clients": sorted(client_ids), "format": _FORMAT,
+                    "files": files, "written_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         with open(tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -113,6 +204,28 @@ class CheckpointStore:
         self._prune()
         return final
 
+    def save_or_warn(self, version: int, *, attempts: int = 3, delay_s: float = 2.0, **parts: Any) -> Optional[Path]:
+        """:meth:`save`, retried on an OS error (disk full, a network file system hiccup); when every
+        attempt fails, a warning says so and None is returned: the previous checkpoint still
+        stands and the run goes on (a fault during a run must not end it as if the input were bad)."""
+        parts["clients"] = list(parts["clients"])  # a generator would be spent by the first attempt
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.save(version, **parts)
+            except OSError as e:
+                for stale in self.dir.glob(".tmp-*"):
+                    shutil.rmtree(stale, ignore_errors=True)
+                if attempt < attempts:
+                    log.warning("checkpoint of version %d: writing to %s failed (%s), retrying (%d/%d)",
+                                version, self.dir, e, attempt, attempts)
+                    time.sleep(delay_s * attempt)
+                    continue
+                done = self.complete()
+                log.warning("checkpoint of version %d could NOT be written to %s after %d attempts (%s); %s; the run "
+                            "goes on", version, self.dir, attempts, e,
+                            f"the previous checkpoint {done[-1].name} still stands" if done else "there is no checkpoint yet")
+        return None
+
     def complete(self) -> list[Path]:
         """Complete checkpoints, oldest first."""
         if not self.dir.is_dir():
@@ -122,11 +235,25 @@ class CheckpointStore:
         return sorted(found, key=lambda p: int(p.name[1:]))
 
     def latest(self) -> Optional[Checkpoint]:
+        """The newest complete checkpoint that passes :func:`verify`; a damaged newer one is
+        skipped with a warning naming it. None when there is no complete checkpoint; raises
+        :class:`CheckpointError` (naming every damaged one) when there are some but none is usable."""
         done = self.complete()
-        if not done:
-            return None
-        with open(done[-1] / MANIFEST) as f:
-            return Checkpoint(done[-1], json.load(f))
+        damaged: list[str] = []
+        for folder in reversed(done):
+            try:
+                manifest = verify(folder)
+            except CheckpointError as e:
+                damaged.append(str(e))
+                log.warning("checkpoint %s is damaged and skipped: %s", folder, e)
+                continue
+            if damaged:
+                log.warning("using the older checkpoint %s (version %d) instead", folder, manifest["version"])
+            return Checkpoint(folder, manifest)
+        if damaged:
+            raise CheckpointError(f"no usable checkpoint under {self.dir}: every complete one is damaged ("
+                                  + "; ".join(damaged) + "); start the run afresh")
+        return None
 
     def _prune(self) -> None:
         done = self.complete()

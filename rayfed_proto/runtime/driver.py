@@ -45,6 +45,63 @@ def _output_dir(cfg: ExperimentConfig) -> Path:
     return out
 
 
+def resume_point(cfg: ExperimentConfig, out: Path, store):
+    """The checkpoint ``run --resume out`` continues from, or an :class:`InputError` saying why
+    there is nothing to resume; decided before Ray starts.
+
+    A finished run is continued only when ``federation.rounds`` was raised above its final
+    version (from the checkpoint written at its end). A damaged newest checkpoint is skipped for
+    an older complete one (``CheckpointStore.latest``). A folder whose driver died before its
+    first checkpoint has its MLflow run, left RUNNING, marked FAILED."""
+    from rayfed_proto.runtime import runfolder
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+
+    rounds = cfg.federation.rounds
+    done = runfolder.finished_version(out)
+    if done is not None and rounds <= done:
+        raise InputError(f"run {out} already finished at version {done} (federation.rounds={rounds}): nothing to resume. "
+                         f"To continue it, raise federation.rounds: rayfed-proto run --resume {out} --set federation.rounds=N "
+                         f"with N > {done}")
+    try:
+        ckpt = store.latest()
+    except CheckpointError as e:
+        raise InputError(str(e)) from None
+    if ckpt is None:
+        marked = _fail_orphaned_mlflow_run(out, "the driver ended before its first checkpoint; nothing to resume")
+        raise InputError(f"no complete checkpoint under {store.dir}: the driver ended before its first checkpoint, so "
+                         f"there is nothing to resume{marked}. Start the run afresh: rayfed-proto run {out / 'config.yaml'}")
+    if done is not None and ckpt.version < done:
+        raise InputError(f"run {out} finished at version {done} but its newest usable checkpoint is version {ckpt.version}; "
+                         f"continuing from it would redo versions {ckpt.version + 1}..{done}. Start a new run with "
+                         f"federation.rounds={rounds} instead")
+    if ckpt.version >= rounds:
+        raise InputError(f"the checkpoint {ckpt.path} is at version {ckpt.version} and federation.rounds={rounds}: nothing "
+                         f"left to run. Raise federation.rounds above {ckpt.version} (--set federation.rounds=N)")
+    return ckpt
+
+
+def _fail_orphaned_mlflow_run(out: Path, reason: str) -> str:
+    """Mark the MLflow run that ``out`` records (run.json) FAILED when a dead driver left it
+    RUNNING; returns a phrase for the message ('' when there was nothing to mark)."""
+    from rayfed_proto.runtime import runfolder
+
+    info = runfolder.read_run_info(out) or {}
+    if not info.get("run_id") or not info.get("tracking_uri"):
+        return ""
+    try:
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(info["tracking_uri"])
+        if client.get_run(info["run_id"]).info.status != "RUNNING":
+            return ""
+        client.set_tag(info["run_id"], "failure_reason", reason)
+        client.set_terminated(info["run_id"], "FAILED")
+    except Exception as e:  # the store is gone or unreachable: say so, do not hide the real message
+        log.warning("could not mark MLflow run %s FAILED: %s", info["run_id"], e)
+        return ""
+    return f"; its MLflow run {info['run_id']}, left RUNNING, is now marked FAILED"
+
+
 def ensure_ray(cfg: ExperimentConfig) -> None:
     import ray
 
@@ -72,35 +129,47 @@ def checkpoint_store(cfg: ExperimentConfig, out: Path):
     return CheckpointStore(cfg.checkpoint.dir or (out / "checkpoints"), keep=cfg.checkpoint.keep)
 
 
-def run_experiment(
+def run_experiment(cfg: ExperimentConfig, **kwargs: Any) -> RunResult:
+    """Run ``cfg``; ``on_eval(version, metrics)`` is called after each evaluation (Tune uses it),
+    ``on_version(version)`` as soon as the driver learns of a new version.
+
+    ``resume_dir``: the output folder of an interrupted run; it continues from its latest
+    checkpoint with the same partition, version counter, sampling sequence and MLflow run.
+    The run folder is locked for as long as this call runs (a second driver is refused).
+    """
+    from contextlib import ExitStack
+
+    with ExitStack() as folder_locks:
+        return _run_experiment(cfg, folder_locks=folder_locks, **kwargs)
+
+
+def _run_experiment(
     cfg: ExperimentConfig,
     *,
+    folder_locks,
     progress: bool = True,
     echo: Callable[[str], None] = print,
     on_eval: Optional[Callable[[int, dict[str, Any]], None]] = None,
     on_version: Optional[Callable[[int], None]] = None,
     resume_dir: Optional[str | Path] = None,
 ) -> RunResult:
-    """Run ``cfg``; ``on_eval(version, metrics)`` is called after each evaluation (Tune uses it),
-    ``on_version(version)`` as soon as the driver learns of a new version.
-
-    ``resume_dir``: the output folder of an interrupted run; it continues from its latest
-    checkpoint with the same partition, version counter, sampling sequence and MLflow run.
-    """
     from rayfed_proto.data import Partition
+    from rayfed_proto.data.datasets import dataset_warnings
+    from rayfed_proto.runtime import runfolder
 
     ckpt = partition = None
     if resume_dir is not None:
         out = Path(resume_dir).resolve()
+        folder_locks.enter_context(runfolder.RunFolderLock(out))  # first: a second driver is refused at once
         store = checkpoint_store(cfg, out)
-        ckpt = store.latest()
-        if ckpt is None:
-            raise InputError(f"no complete checkpoint under {store.dir}; nothing to resume (start the run afresh)")
+        ckpt = resume_point(cfg, out, store)  # refuses (before Ray starts) when there is nothing to resume
         partition = Partition.load_parquet(out / "partition.parquet")
     try:  # only the driver ever reads the data (actors take it from the object store)
         dataset = load_dataset(cfg.data, cfg.seed)
     except (ValueError, KeyError) as e:  # infeasible data for this config: the user's to fix
         raise InputError(str(e)) from e
+    for warning in dataset_warnings(dataset):
+        log.warning(warning)
     # Everything that can refuse the run does so before anything is written: the tracking store,
     # the cluster's resources (GPUs requested that the cluster lacks), the partition, then the
     # output folders.
@@ -133,6 +202,9 @@ def run_experiment(
             except PermissionError:
                 out.rmdir()
                 raise
+            folder_locks.enter_context(runfolder.RunFolderLock(out))
+            for line in runfolder.settle_orphaned_runs(out.parent):  # runs left RUNNING by drivers that are gone
+                echo(line)
             (out / "config.yaml").write_text(cfg.to_yaml())
             partition.save_parquet(out / "partition.parquet")
     except BaseException:
@@ -153,12 +225,21 @@ def run_experiment(
         if ckpt is not None:
             run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
             echo(f"resuming from {ckpt.path} (version {ckpt.version})")
+            # logged by the earlier driver after the checkpoint (and the checkpoint's own version when its
+            # history lacks it): evaluated again now
+            evaluated = {h["version"] for h in driver_state.get("history", [])}
+            redone = tracker.note_superseded_steps(ckpt.version if ckpt.version in evaluated else ckpt.version - 1)
+            if redone:
+                echo(f"versions {redone[0]}..{redone[-1]} were logged after that checkpoint and are redone: MLflow keeps "
+                     "both points (the later is valid; tag superseded_steps); history.parquet holds only the valid ones")
+            runfolder.clear_finished(out)  # continued: it is not finished until it finishes again
         else:
             params = cfg.flat()
             params.update({"derived.num_classes": num_classes, "derived.channels": channels, "derived.image_size": image_size,
                            **{f"derived.{k}": v for k, v in plan.as_dict().items()}})
             run_id = tracker.start(params, tags={"algorithm": cfg.algorithm.name, "dataset": cfg.data.name,
                                                  "mode": cfg.federation.mode, "model_group": cfg.model.group})
+            runfolder.write_run_info(out, run_id, tracker.uri)  # before any checkpoint: a resume can name the run
     except BaseException:
         fleet.shutdown()
         raise
@@ -181,6 +262,7 @@ def run_experiment(
                                                     title=f"{cfg.data.name}: {cfg.data.partition.name} partition")
             tracker.log_artifact(heatmap, "plots")
 
+        from rayfed_proto.runtime.progress import NoProgressError, ProgressWatch
         from rayfed_proto.runtime.scheduler import Scheduler, StopRequested
 
         fleet.wait_started(total, cfg.resources.placement_timeout_s, progress)
@@ -247,9 +329,11 @@ def run_experiment(
 
         def write_checkpoint(version: int, server_snap: dict[str, Any], actor_snaps: list) -> None:
             clients = ((c, st) for states, _ in actor_snaps for c, st in states.items())
-            path = store.save(server_snap["core"]["version"], server=server_snap, clients=clients,
-                              actor_rng={a: rng for a, (_, rng) in enumerate(actor_snaps)},
-                              driver={"scheduler": scheduler.state_dict(), "history": list(history)}, run_id=run_id)
+            path = store.save_or_warn(server_snap["core"]["version"], server=server_snap, clients=clients,
+                                      actor_rng={a: rng for a, (_, rng) in enumerate(actor_snaps)},
+                                      driver={"scheduler": scheduler.state_dict(), "history": list(history)}, run_id=run_id)
+            if path is None:  # retried and failed: the previous checkpoint stands, the run goes on
+                scheduler.stats.checkpoints_failed += 1
             log.info("checkpoint written: %s", path)
 
         scheduler = Scheduler(
@@ -260,7 +344,8 @@ def run_experiment(
             restart_client_actor=restart_client_actor, restart_server=restart_server,
             max_client_failures=cfg.reliability.max_client_failures, max_server_failures=cfg.reliability.max_server_failures,
             drain_timeout_s=cfg.reliability.drain_timeout_s, stop_at_version=cfg.faults.stop_at_version,
-            start_version=start_version, evaluate_start=not any(h["version"] == start_version for h in history))
+            start_version=start_version, evaluate_start=not any(h["version"] == start_version for h in history),
+            progress=ProgressWatch(cfg.reliability.max_consecutive_refusals, cfg.reliability.no_progress_timeout_s))
         handles["actors"] = scheduler.actors  # the scheduler replaces dead actors in this list
         if "scheduler" in driver_state:
             scheduler.load_state_dict(driver_state["scheduler"])
@@ -276,9 +361,17 @@ def run_experiment(
             tracker.set_tags({"stopped": stop.reason, "resume_from": str(out)})
             msg = (f"stopped ({stop.reason}); {where}.\nResume with: rayfed-proto run --resume {out}")
             raise RunInterrupted(msg, out, stop.version, stop.reason) from None
+        except NoProgressError as e:
+            if bar is not None:
+                bar.close()
+            _record_failure(tracker, scheduler, history, out, str(e))  # the run ends FAILED (status unchanged)
+            raise
         startup = _startup_s(scheduler)
-        tracker.log_metrics({"updates_withheld_after_end": scheduler.stats.withheld, **_reliability_metrics(scheduler),
-                             **({"startup_s": startup} if startup is not None else {})}, step=final_version)
+        tracker.log_metrics(_end_counters(history, final_version, {"updates_withheld_after_end": scheduler.stats.withheld,
+                                                                   **_reliability_metrics(scheduler)})
+                            | ({"startup_s": startup} if startup is not None else {}), step=final_version)
+        if cfg.checkpoint.every:  # at the end version, so that the run can be continued with more rounds
+            scheduler._checkpoint()
         if bar is not None:
             bar.close()
 
@@ -301,11 +394,15 @@ def run_experiment(
         (out / "summary.txt").write_text(summary + "\n")
         tracker.log_artifact(out / "summary.txt")
         status = "FINISHED"
+        runfolder.mark_finished(out, final_version, run_id)
+        tracker.delete_tags(("stopped", "resume_from", "failure_reason"))  # left by an earlier stop: no longer true
         return RunResult(run_id, tracker.uri, out, final_version, history, plan.as_dict(), placements, summary)
     except RunInterrupted:
         raise
-    except (KeyboardInterrupt, SystemExit):  # SystemExit: a Tune trial told to stop, a stop and not a failure
+    except (KeyboardInterrupt, SystemExit) as e:  # SystemExit: a Tune trial told to stop, a stop and not a failure
         status = "KILLED"
+        if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: stopped at once, no drain
+            raise _stopped_at_once(store, out, tracker) from None
         raise
     finally:
         restore_signals()
@@ -329,6 +426,50 @@ def _alive_infos(handles: list) -> list[dict[str, Any]]:
     return out
 
 
+def _record_failure(tracker, scheduler, history: list[dict[str, Any]], out: Path, reason: str) -> None:
+    """A run that fails: its counters (also the server's refusals, logged otherwise only at
+    evaluations) at the version it reached, the reason as a tag, the history so far on disk."""
+    import ray
+
+    counters: dict[str, Any] = dict(_reliability_metrics(scheduler))
+    try:
+        server = ray.get(scheduler.server.stats.remote(), timeout=30)
+        counters.update(updates_refused=server["refused"], updates_accepted=server["accepted"],
+                        updates_dropped=server["dropped_stale"], versions_rolled_back=server["rolled_back"])
+    except Exception as e:  # the server is gone: the scheduler's own counters still go out
+        log.warning("server counters unavailable at failure: %s", e)
+    counters["updates_dispatched"] = scheduler.stats.dispatched
+    tracker.log_metrics(counters, step=scheduler.version)
+    tracker.set_tags({"failure_reason": reason[:5000]})
+    if history:
+        from rayfed_proto.tracking.report import history_to_frame
+
+        history_to_frame(history).to_parquet(out / "history.parquet")
+
+
+def _stopped_at_once(store, out: Path, tracker) -> RunInterrupted:
+    """A second Ctrl-C abandoned the running updates: say where the run can resume from."""
+    try:
+        latest = store.latest()
+    except Exception:  # a damaged store: the resume will say more
+        latest = None
+    if latest is not None:
+        tracker.set_tags({"stopped": "SIGINT (at once)", "resume_from": str(out)})
+        msg = (f"stopped at once (second Ctrl-C); the running updates were abandoned; checkpoint of version "
+               f"{latest.version} in {latest.path}.\nResume with: rayfed-proto run --resume {out}")
+    else:
+        msg = (f"stopped at once (second Ctrl-C) before the first checkpoint: nothing to resume. "
+               f"Start again with: rayfed-proto run {out / 'config.yaml'}")
+    return RunInterrupted(msg, out, latest.version if latest is not None else 0, "SIGINT")
+
+
+def _end_counters(history: list[dict[str, Any]], final_version: int, counters: dict[str, Any]) -> dict[str, Any]:
+    """The counters to log at the end: those the final version's evaluation did not already log
+    with the same value (each step gets one point per metric unless a counter moved since)."""
+    last = next((h for h in reversed(history) if h.get("version") == final_version), {})
+    return {k: v for k, v in counters.items() if k not in last or last[k] != v}
+
+
 def _startup_s(scheduler) -> Optional[float]:
     """Seconds from this process's start to the first local update returned (what a user waits
     before training shows); None when no update came back."""
@@ -347,7 +488,8 @@ def _reliability_metrics(scheduler) -> dict[str, float]:
     return {"client_failures": st.client_failures, "updates_lost_client": st.updates_lost_client,
             "server_restarts": st.server_restarts, "updates_lost_server": st.updates_lost_server,
             "versions_redone": st.versions_redone, "evals_incomplete": st.evals_incomplete,
-            "clients_excluded": len(st.excluded), "checkpoints_written": st.checkpoints}
+            "clients_excluded": len(st.excluded), "checkpoints_written": st.checkpoints,
+            "versions_empty": st.versions_empty, "checkpoints_failed": st.checkpoints_failed}
 
 
 def _install_stop_handlers(scheduler) -> Callable[[], None]:

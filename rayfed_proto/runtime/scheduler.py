@@ -49,6 +49,8 @@ class SchedulerStats:
     versions_redone: int = 0  # produced by a server that died after its last checkpoint
     evals_incomplete: int = 0  # evaluations that lost some clients' results to an actor death
     checkpoints: int = 0
+    checkpoints_failed: int = 0  # checkpoint writes that failed after retries (the previous one stands)
+    versions_empty: int = 0  # sync: versions whose round had no accepted update (aggregated nothing)
     excluded: list[int] = field(default_factory=list)  # clients dropped from sampling after repeated failures
 
 
@@ -87,6 +89,7 @@ class Scheduler:
         stop_at_version: Optional[int] = None,
         start_version: int = 0,
         evaluate_start: bool = True,
+        progress=None,
     ):
         self.mode, self.buffer_size, self.num_clients, self.rounds = mode, buffer_size, num_clients, rounds
         self.concurrency, self.clients_per_round, self.eval_every = concurrency, clients_per_round, eval_every
@@ -100,6 +103,11 @@ class Scheduler:
         self.max_client_failures, self.max_server_failures = max_client_failures, max_server_failures
         self.drain_timeout_s, self.stop_at_version = drain_timeout_s, stop_at_version
         self.evaluate_start = evaluate_start
+        if progress is None:
+            from rayfed_proto.runtime.progress import ProgressWatch
+
+            progress = ProgressWatch()  # no limits
+        self.progress = progress  # stops a run that makes no progress (NoProgressError)
         self.failures: dict[int, int] = {}  # client -> actor deaths while it had work in flight
         self.checkpoint_due = False  # drain, then checkpoint (async); sync checkpoints at round ends
         self.stop_reason: Optional[str] = None
@@ -289,6 +297,7 @@ class Scheduler:
         if self.restart_client_actor is None:
             raise RuntimeError(f"client actor {a} died and no restart is configured") from err
         self.actors[a] = self.restart_client_actor(a)
+        self.progress.pause()  # the restart's time is not a stall
         for _, version in lost_evals:
             self._eval_part_lost(version)
         self._maybe_step()
@@ -321,6 +330,7 @@ class Scheduler:
         # each step); async, the latest backlog reading plus submissions not yet acknowledged
         at_server = self.submits_since_version if self.mode == "sync" else self.backlog + self.unreported_submits
         self.server, restored = self.restart_server()
+        self.progress.pause()
         log.warning("server actor died (%s); recreated at version %d (was %d); %d updates lost at the server, "
                     "%d in flight", type(err).__name__, restored, self.version, at_server, len(self.train_refs))
         self.stats.updates_lost_server += at_server
@@ -349,6 +359,7 @@ class Scheduler:
             self._server_died(err)
             return
         if ref is not self.step_ref:
+            self.progress.on_receipt(receipt, self.version)
             self.unreported_submits -= 1
             if "backlog" in receipt:
                 self._note_backlog(receipt["backlog"], receipt["version"])
@@ -358,6 +369,9 @@ class Scheduler:
             self.round_outstanding -= 1
             self._maybe_step()
         if receipt.get("new_version") is not None:  # sync: the round's step
+            if receipt.get("aggregated") == 0:
+                self.stats.versions_empty += 1
+            self.progress.on_version(receipt["new_version"], receipt.get("aggregated"))
             self._on_new_version(receipt["new_version"], receipt["state_ref"])
 
     def _on_versions(self, ref) -> None:
@@ -370,6 +384,7 @@ class Scheduler:
             return
         self._note_backlog(reply["backlog"], reply["version"])
         for version, state_ref in sorted(reply["versions"], key=lambda vs: vs[0]):
+            self.progress.on_version(version)
             self._on_new_version(version, state_ref)
 
     def _on_new_version(self, new_version: int, state_ref) -> None:
@@ -520,8 +535,9 @@ class Scheduler:
         while self.version < self.rounds or self.eval_refs or self.receipt_refs or self.evals_due:
             self._fill_slots()  # takes no new work while draining
             self._start_due_evals()
-            # a stop also waits for running evaluations, so every version up to the checkpoint is logged
-            if self._draining() and self._quiet() and not (self.stop_reason is not None and self.eval_refs):
+            # every checkpoint (not only a stop's) waits for running evaluations, so every version up to
+            # it is in the history it saves: a resume cannot evaluate an earlier version again
+            if self._draining() and self._quiet() and not self.eval_refs and not self.evals_due:
                 self._checkpoint()
                 if self.stop_reason is not None:
                     raise StopRequested(self.stop_reason, self.version)
@@ -539,6 +555,9 @@ class Scheduler:
             # a timeout, so that a stop requested by a signal handler is seen while waiting
             ready, _ = ray.wait(pending, num_returns=1, timeout=1.0)
             self._check_drain_timeout()
+            if self._draining() or self.version >= self.rounds:
+                self.progress.pause()  # a checkpoint drain or the final evaluations: not a stall
+            self.progress.check(self.version)
             if not ready:
                 continue
             ref = ready[0]

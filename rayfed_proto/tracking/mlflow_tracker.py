@@ -44,6 +44,8 @@ class MlflowTracker:
                 raise PermissionError(f"cannot write the MLflow store {db} ({e.strerror or e}); set tracking.tracking_uri "
                                       "to a writable location, or tracking.enabled=false") from None
         mlflow.set_tracking_uri(self.uri)
+        if self.uri.startswith("sqlite:///"):
+            _create_store(self.uri)  # now, before the run's output folder exists: a failure leaves nothing behind
         self.experiment_name = cfg.experiment_name
         self.run_name = cfg.run_name
         self.parent_run_id = cfg.parent_run_id
@@ -52,7 +54,12 @@ class MlflowTracker:
 
     def start(self, params: dict[str, Any], tags: Optional[dict[str, str]] = None, nested: bool = False) -> str:
         mlflow = self.mlflow
-        exp = mlflow.set_experiment(self.experiment_name)
+        try:
+            exp = mlflow.set_experiment(self.experiment_name)
+        except Exception as e:  # another run created the same experiment a moment ago: it exists now
+            if "already exists" not in str(e).lower() and "unique" not in str(e).lower():
+                raise
+            exp = mlflow.set_experiment(self.experiment_name)
         self.experiment_id = exp.experiment_id
         tags = dict(tags or {})
         if self.parent_run_id:
@@ -78,6 +85,21 @@ class MlflowTracker:
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         return self.run_id
 
+    def note_superseded_steps(self, after: int, key: str = "head_acc") -> list[int]:
+        """Resuming from a checkpoint whose history ends at version ``after``: steps above it that
+        the earlier driver had already logged are redone now, so MLflow will hold two points for them (it cannot delete
+        one). Record them in the tag ``superseded_steps`` (the later point of each is the valid
+        one; ``history.parquet`` holds only the valid ones) and return them."""
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.uri)
+        steps = sorted({m.step for m in client.get_metric_history(self.run_id, key) if m.step > after})
+        if steps:
+            before = client.get_run(self.run_id).data.tags.get("superseded_steps")
+            span = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
+            self.set_tags({"superseded_steps": f"{before},{span}" if before else span})
+        return steps
+
     def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
         clean = {k: float(v) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
@@ -90,9 +112,53 @@ class MlflowTracker:
     def set_tags(self, tags: dict[str, Any]) -> None:
         self.mlflow.set_tags({k: str(v) for k, v in tags.items()})
 
+    def delete_tags(self, keys) -> None:
+        """Remove tags that no longer hold (``stopped`` on a run that was resumed and finished)."""
+        run = self.mlflow.active_run()
+        if run is None:
+            return
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(self.uri)
+        present = client.get_run(run.info.run_id).data.tags
+        for key in keys:
+            if key in present:
+                client.delete_tag(run.info.run_id, key)
+
     def end(self, status: str = "FINISHED") -> None:
         if self.mlflow.active_run() is not None:
             self.mlflow.end_run(status=status)
+
+
+def _create_store(uri: str, attempts: int = 6) -> None:
+    """Create (or open) the sqlite store before anything of the run is written.
+
+    Two runs started at the same moment on a fresh ``mlflow.db`` would both run MLflow's schema
+    migrations, and the loser crashes ("table ... already exists", "Online migration expected to
+    match one row"), possibly leaving the schema half-migrated. Creation is therefore serialised
+    by an exclusive lock on ``<db>.lock`` beside the store; a store that still reports a transient
+    error ("database is locked") is retried."""
+    import fcntl
+    import random
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    db = Path(uri[len("sqlite:///"):])
+    with open(db.with_name(db.name + ".lock"), "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            for attempt in range(1, attempts + 1):
+                try:
+                    MlflowClient(uri).search_experiments(max_results=1)
+                    return
+                except Exception as e:
+                    text = str(e).lower()
+                    if attempt == attempts or not ("already exists" in text or "locked" in text):
+                        raise
+                    time.sleep(0.2 * attempt + random.random() * 0.3)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 class NullTracker:
@@ -107,6 +173,9 @@ class NullTracker:
     def resume(self, run_id):
         return None
 
+    def note_superseded_steps(self, after, key="head_acc"):
+        return []
+
     def log_metrics(self, metrics, step):
         pass
 
@@ -114,6 +183,9 @@ class NullTracker:
         pass
 
     def set_tags(self, tags):
+        pass
+
+    def delete_tags(self, keys):
         pass
 
     def end(self, status="FINISHED"):

@@ -87,3 +87,123 @@ def test_resume_refuses_a_set_that_would_change_what_the_run_is(tmp_path, capsys
     assert "training.lr" in err and "0.5" in err and "algorithm.lam" in err
     assert "federation.rounds" in err.split("only how the run goes on:")[1]  # listed as allowed, not as refused
     assert err.count("with --resume only how the run goes on") == 2
+
+
+# ------------------------------------------------------------------ damaged checkpoints (issue 16, item 2)
+
+def test_manifest_lists_every_file_with_size_and_checksum(tmp_path):
+    import hashlib
+    import json
+
+    store = CheckpointStore(tmp_path)
+    path = _save(store, 2)
+    files = json.loads((path / "manifest.json").read_text())["files"]
+    assert set(files) == {"server.pt", "driver.pt", "actors.pt", "clients/0.pt", "clients/1.pt"}
+    for name, meta in files.items():
+        data = (path / name).read_bytes()
+        assert meta == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@pytest.mark.parametrize("damage", ["truncated server.pt", "garbage manifest", "missing client file", "flipped byte"])
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_older_complete_one(tmp_path, caplog, damage):
+    store = CheckpointStore(tmp_path, keep=2)
+    _save(store, 2, marker=1.0)
+    newest = _save(store, 4, marker=2.0)
+    if damage == "truncated server.pt":
+        data = (newest / "server.pt").read_bytes()
+        (newest / "server.pt").write_bytes(data[: len(data) // 2])
+    elif damage == "garbage manifest":
+        (newest / "manifest.json").write_bytes(b"\x00\xffnot json")
+    elif damage == "missing client file":
+        (newest / "clients" / "1.pt").unlink()
+    else:  # same size, different content: only the checksum can tell
+        data = bytearray((newest / "driver.pt").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (newest / "driver.pt").write_bytes(bytes(data))
+    with caplog.at_level("WARNING", logger="rayfed_proto"):
+        ck = store.latest()
+    assert ck.version == 2 and ck.server_state()["core"]["x"][0] == 1.0
+    assert str(newest) in caplog.text and "damaged" in caplog.text
+
+
+def test_no_usable_checkpoint_is_an_error_naming_the_folder(tmp_path):
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+
+    store = CheckpointStore(tmp_path, keep=2)
+    for v in (2, 4):
+        (_save(store, v) / "server.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no usable checkpoint under") as err:
+        store.latest()
+    assert str(tmp_path) in str(err.value) and "v000002" in str(err.value) and "v000004" in str(err.value)
+
+
+class _RunsCode:
+    """An object whose unpickling would run code (what a hostile checkpoint would hold)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
+
+
+def test_a_checkpoint_cannot_run_code_when_loaded(tmp_path):
+    """torch.load(weights_only=True): a pickle that would call a function is refused, even with a
+    manifest that matches it (someone rewrote the folder), and the function never runs."""
+    import hashlib
+    import json
+
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+
+    store = CheckpointStore(tmp_path)
+    path = _save(store, 2)
+    marker = tmp_path / "pwned"
+    torch.save({"core": _RunsCode(str(marker))}, path / "server.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = (path / "server.pt").read_bytes()
+    manifest["files"]["server.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="server.pt"):
+        store.latest().server_state()
+    assert not marker.exists()
+
+
+def test_real_server_and_client_states_load_with_weights_only(tmp_path):
+    """What a real checkpoint holds (a buffered ClientUpdate with numpy prototypes, numpy scalars,
+    an optimizer state) loads under weights_only=True."""
+    from rayfed_proto.messages import ClientUpdate, PrototypeSet
+
+    update = ClientUpdate(client_id=1, base_version=3, num_samples=10,
+                          prototypes=PrototypeSet(np.arange(2), np.ones((2, 4), np.float32), np.array([4, 6])),
+                          extras={"logits": np.zeros((2, 3), np.float16)})
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    store = CheckpointStore(tmp_path)
+    store.save(4, server={"core": {"buffer": [(update, 0.5)], "m": {1: (np.float64(0.2), np.float32(1.0))}}},
+               clients=[(0, {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                             "batch_rng": torch.Generator().get_state()})],
+               actor_rng={0: torch.get_rng_state()},
+               driver={"scheduler": {"rng": np.random.default_rng(0).bit_generator.state}}, run_id="r")
+    ck = store.latest()
+    (restored, w), = ck.server_state()["core"]["buffer"]
+    assert isinstance(restored, ClientUpdate) and (restored.client_id, restored.base_version) == (1, 3)
+    np.testing.assert_array_equal(restored.prototypes.vectors, update.prototypes.vectors)
+    assert restored.extras["logits"].dtype == np.float16
+    assert w == 0.5 and ck.server_state()["core"]["m"][1][0] == 0.2
+    assert ck.client_state(0)["optimizer"]["state"][0]["momentum_buffer"].shape == (2, 3)
+    assert ck.driver_state()["scheduler"]["rng"]["bit_generator"] == "PCG64"
+
+
+def test_a_checkpoint_written_before_checksums_still_loads(tmp_path):
+    import json
+
+    store = CheckpointStore(tmp_path)
+    path = _save(store, 2, marker=3.0)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["files"], manifest["format"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert store.latest().server_state()["core"]["x"][0] == 3.0

@@ -156,7 +156,7 @@ def test_npz_nhw_unit_floats_and_uint8_resize(tmp_path):
     ({"images": np.zeros((3, 8, 8)), "labels": np.zeros(4, dtype=int)}, r"'labels' has 4 rows but 'images' has 3"),
     ({"images": np.zeros((3, 8, 8)), "labels": np.zeros(3, dtype=int), "client_ids": np.zeros(2, dtype=int)},
      r"'client_ids' has 2 rows"),
-    ({"images": np.zeros((3, 8, 8)), "labels": np.array([0.5, 1, 2])}, r"'labels' must hold integers"),
+    ({"images": np.zeros((3, 8, 8)), "labels": np.array([0.5, 1, 2])}, r"'labels' must be whole numbers .*found 0\.5 at index 0"),
     ({"images": np.zeros((3, 8, 8)), "labels": np.array([0, -1, 2])}, r"'labels' must be >= 0"),
     ({"images": np.zeros((3, 8, 8, 4)), "labels": np.zeros(3, dtype=int)}, r"channel axis"),
 ])
