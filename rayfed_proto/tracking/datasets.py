@@ -58,6 +58,14 @@ def split_frames(partition, labels: np.ndarray, domains: Optional[np.ndarray] = 
 
 def mlflow_datasets(dataset, partition, cfg) -> tuple[list[Any], list[str]]:
     """(datasets, contexts) for ``mlflow.log_inputs``: the whole dataset, then each split."""
+    import warnings
+
+    with warnings.catch_warnings():  # "inferred schema contains integer column(s)": indices and labels are never missing
+        warnings.simplefilter("ignore", UserWarning)
+        return _mlflow_datasets(dataset, partition, cfg)
+
+
+def _mlflow_datasets(dataset, partition, cfg) -> tuple[list[Any], list[str]]:
     import mlflow.data
     from mlflow.data.code_dataset_source import CodeDatasetSource
 
