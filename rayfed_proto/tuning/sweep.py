@@ -347,7 +347,8 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
         w.writeheader()
         w.writerows(ranked)
     (local_dir / "trials.txt").write_text(table + "\n")
-    plot = plot_metric_vs_params(ranked, spec.space, metric, local_dir / f"{metric}_vs_params.png", title=spec.name)
+    plot = plot_metric_vs_params(ranked, spec.space, metric, local_dir / f"{metric.replace('/', '_')}_vs_params.png",
+                                 title=spec.name)
 
     best_path = None
     scored = [r for r in ranked if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
