@@ -143,5 +143,5 @@ def description(summary: str, client_series: str, models: list[str]) -> str:
     if models:
         lines.append(f"Logged models: {', '.join(models)} (load with `mlflow.pytorch.load_model('models:/<model id>')`).")
     lines.append("Metric names: `eval/`, `train/`, `server/`, `federation/`, `reliability/`, `system/` "
-                 "(old flat names: docs/configuration.md, \"Metric names\").")
+                 "(old flat names: docs/concepts.md, \"MLflow metric names\").")
     return "\n".join(lines)
