@@ -10,15 +10,20 @@ port, stopped at the end) and renders each page with Debian's ``chromium`` packa
     python bench/mlflow_ui.py --tracking-uri sqlite:///mlflow.db --run-id RUN [--parent-run-id SWEEP] --out shots
 
 ``--demo`` writes its store under a temporary folder (or --workdir) so it never touches ./mlflow.db.
-Chromium renders with a virtual-time budget (``--wait`` seconds of page time): the UI is a
-single-page app that draws after its API calls return, and a plain ``--screenshot`` would catch the
-loading spinner.
+
+The UI is a single-page app that draws after its API calls return and loads its charts lazily, so
+a plain ``chromium --screenshot`` catches spinners. With Playwright installed (``pip install
+playwright``; it drives the system Chromium, no browser download) each page is opened, the
+MLflow Assistant side panel is closed, a chart filter is typed where asked, and the screenshot is
+taken ``--wait`` seconds after the page's tabs appear. Without Playwright the script falls back
+to ``chromium --headless --screenshot`` with a virtual-time budget (charts may still be loading).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -84,7 +89,31 @@ class MlflowUi:
         self.log.close()
 
 
+def screenshot_playwright(browser, url: str, out: Path, width: int, height: int, wait_s: float,
+                          search: str | None = None) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": width, "height": height})
+    try:
+        page.goto(url, timeout=180_000)
+        try:  # a run page is drawn once its tabs are; pages without tabs get the plain wait below
+            page.get_by_role("tab").first.wait_for(timeout=90_000)
+        except Exception:
+            pass
+        close = page.get_by_role("button", name="Close")  # the MLflow Assistant side panel
+        if close.count():
+            close.first.click()
+        if search:
+            page.get_by_placeholder(re.compile("search", re.I)).first.fill(search)
+        time.sleep(wait_s)  # API calls and lazily drawn charts
+        page.screenshot(path=str(out))
+    finally:
+        page.close()
+    print(f"{out}  <-  {url}" + (f" (filter {search!r})" if search else ""))
+    return out
+
+
 def screenshot(chromium: str, url: str, out: Path, width: int, height: int, wait_s: float, profile: Path) -> Path:
+    out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(profile, ignore_errors=True)  # a fresh profile per page: no state carried over
     cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
@@ -138,7 +167,8 @@ def main() -> int:
     p.add_argument("--chromium", help="the browser binary (default: chromium on PATH)")
     p.add_argument("--width", type=int, default=1600)
     p.add_argument("--height", type=int, default=1300)
-    p.add_argument("--wait", type=float, default=25.0, help="seconds of page time before each screenshot")
+    p.add_argument("--wait", type=float, default=12.0,
+                   help="seconds to wait after a page appears (without Playwright: seconds of virtual page time)")
     args = p.parse_args()
 
     chromium = find_chromium(args.chromium)
@@ -156,18 +186,35 @@ def main() -> int:
     client = MlflowClient(uri)
     exp = client.get_run(run_id).info.experiment_id
     out = Path(args.out)
-    pages = [("run_overview", f"#/experiments/{exp}/runs/{run_id}", args.height + 900),
-             ("run_model_metrics", f"#/experiments/{exp}/runs/{run_id}/model-metrics", args.height + 500),
-             ("run_system_metrics", f"#/experiments/{exp}/runs/{run_id}/system-metrics", args.height),
-             ("experiment_models", f"#/experiments/{exp}/models", args.height)]
+    run_page = f"#/experiments/{exp}/runs/{run_id}"
+    pages = [("run_overview", run_page, args.height + 900, None),
+             ("run_model_metrics", f"{run_page}/model-metrics", args.height + 300, "eval/"),
+             ("run_model_metrics_clients", f"{run_page}/model-metrics", args.height, "client/"),
+             ("run_system_metrics", f"{run_page}/system-metrics", args.height, None),
+             ("experiment_models", f"#/experiments/{exp}/models", args.height - 400, None)]
     if parent_id:
         pexp = client.get_run(parent_id).info.experiment_id
-        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}", args.height),
-                  ("sweep_runs", f"#/experiments/{pexp}/runs", args.height)]
+        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}", args.height, None),
+                  ("sweep_runs", f"#/experiments/{pexp}/runs", args.height - 400, None)]
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+        print("playwright not installed: plain chromium --screenshot (charts may still be loading)")
     with MlflowUi(uri, workdir) as ui:
-        for name, route, height in pages:
-            screenshot(chromium, f"{ui.url}/{route}", out / f"{name}.png", args.width, height, args.wait,
-                       workdir / "chromium-profile")
+        if sync_playwright is None:
+            for name, route, height, _ in pages:
+                screenshot(chromium, f"{ui.url}/{route}", out / f"{name}.png", args.width, height, args.wait,
+                           workdir / "chromium-profile")
+            return 0
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS[1:])  # headless by default
+            try:
+                for name, route, height, search in pages:
+                    screenshot_playwright(browser, f"{ui.url}/{route}", out / f"{name}.png", args.width, height,
+                                          args.wait, search)
+            finally:
+                browser.close()
     return 0
 
 
