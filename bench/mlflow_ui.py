@@ -90,7 +90,7 @@ class MlflowUi:
 
 
 def screenshot_playwright(browser, url: str, out: Path, width: int, height: int, wait_s: float,
-                          search: str | None = None) -> Path:
+                          search: str | None = None, click: str | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     page = browser.new_page(viewport={"width": width, "height": height})
     try:
@@ -103,7 +103,17 @@ def screenshot_playwright(browser, url: str, out: Path, width: int, height: int,
         if close.count():
             close.first.click()
         if search:
-            page.get_by_placeholder(re.compile("search", re.I)).first.fill(search)
+            box = page.get_by_placeholder(re.compile("search", re.I))
+            box = box.first if box.count() else page.locator("input[placeholder]").first  # the run list filter
+            box.fill(search)
+            box.press("Enter")
+        if click:  # e.g. "Expand rows": show a sweep's child runs under their parent
+            target = page.get_by_text(click, exact=True)
+            try:
+                target.first.wait_for(timeout=60_000)
+                target.first.click()
+            except Exception:
+                print(f"  ({click!r} not found on {url})")
         time.sleep(wait_s)  # API calls and lazily drawn charts
         page.screenshot(path=str(out))
     finally:
@@ -165,6 +175,7 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/mlflow_ui", help="folder for the PNGs")
     p.add_argument("--workdir", help="--demo: where the store and runs go (default: a temporary folder)")
     p.add_argument("--chromium", help="the browser binary (default: chromium on PATH)")
+    p.add_argument("--only", nargs="+", help="render only these pages (run_overview, sweep_runs...)")
     p.add_argument("--width", type=int, default=1600)
     p.add_argument("--height", type=int, default=1300)
     p.add_argument("--wait", type=float, default=12.0,
@@ -187,15 +198,18 @@ def main() -> int:
     exp = client.get_run(run_id).info.experiment_id
     out = Path(args.out)
     run_page = f"#/experiments/{exp}/runs/{run_id}"
-    pages = [("run_overview", run_page, args.height + 900, None),
-             ("run_model_metrics", f"{run_page}/model-metrics", args.height + 300, "eval/"),
-             ("run_model_metrics_clients", f"{run_page}/model-metrics", args.height, "client/"),
-             ("run_system_metrics", f"{run_page}/system-metrics", args.height, None),
-             ("experiment_models", f"#/experiments/{exp}/models", args.height - 400, None)]
+    pages = [("run_overview", run_page, args.height + 900, None, None),
+             ("run_model_metrics", f"{run_page}/model-metrics", args.height + 300, "eval/", None),
+             ("run_model_metrics_clients", f"{run_page}/model-metrics", args.height, "client/", None),
+             ("run_system_metrics", f"{run_page}/system-metrics", args.height, None, None),
+             ("experiment_models", f"#/experiments/{exp}/models", args.height - 400, None, None)]
     if parent_id:
         pexp = client.get_run(parent_id).info.experiment_id
-        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}", args.height, None),
-                  ("sweep_runs", f"#/experiments/{pexp}/runs", args.height - 400, None)]
+        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}", args.height, None, None),
+                  ("sweep_runs", f"#/experiments/{pexp}/runs", args.height - 400,
+                   f"attributes.run_name LIKE '{client.get_run(parent_id).info.run_name}-%'", None)]
+    if args.only:
+        pages = [pg for pg in pages if pg[0] in args.only]
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -203,16 +217,16 @@ def main() -> int:
         print("playwright not installed: plain chromium --screenshot (charts may still be loading)")
     with MlflowUi(uri, workdir) as ui:
         if sync_playwright is None:
-            for name, route, height, _ in pages:
+            for name, route, height, _, _ in pages:
                 screenshot(chromium, f"{ui.url}/{route}", out / f"{name}.png", args.width, height, args.wait,
                            workdir / "chromium-profile")
             return 0
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS[1:])  # headless by default
             try:
-                for name, route, height, search in pages:
+                for name, route, height, search, click in pages:
                     screenshot_playwright(browser, f"{ui.url}/{route}", out / f"{name}.png", args.width, height,
-                                          args.wait, search)
+                                          args.wait, search, click)
             finally:
                 browser.close()
     return 0
