@@ -92,11 +92,11 @@ def main() -> None:
         client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
         run = client.search_runs([client.get_experiment_by_name(f"footprint_{args.which}").experiment_id])[0]
         m, p = run.data.metrics, run.data.params
-    row = {"which": args.which, "clients": p.get("federation.num_clients"), "client_actors": p.get("derived.num_actors"),
-           "startup_s": round(m.get("startup_s", float("nan")), 1), "total_s": round(total_s, 1),
+    row = {"which": args.which, "clients": p.get("federation.num_clients"), "client_actors": p.get("plan.num_actors"),
+           "startup_s": round(m.get("federation/startup_s", float("nan")), 1), "total_s": round(total_s, 1),
            "peak_pss_gib": round(peak["pss"] / 1024, 2), "peak_rss_sum_gib": round(peak["rss"] / 1024, 2),
-           "processes_at_peak": peak["procs"], "head_acc": round(m.get("head_acc", float("nan")), 4),
-           "pss_client_actors_total_mib": round(m.get("pss_mib_client_actors_total", float("nan")), 0)}
+           "processes_at_peak": peak["procs"], "head_acc": round(m.get("eval/head_acc", float("nan")), 4),
+           "pss_client_actors_total_mib": round(m.get("system/actors/client_pss_mib_total", float("nan")), 0)}
     print(json.dumps(row, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

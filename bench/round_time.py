@@ -61,17 +61,17 @@ def run_platform(args, method: str, tmp: Path) -> dict:
         sys.exit(f"platform run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     out = sorted((tmp / "runs").glob(f"*-{method}-synthetic"))[-1]
     hist = pd.read_parquet(out / "history.parquet").sort_values("version")
-    wall = hist["wall_s"].tolist()
+    wall = hist["federation/wall_s"].tolist()
     rounds = [b - a for a, b in zip(wall, wall[1:], strict=False)]  # version v exists at wall_s[v]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
     run = client.search_runs([client.get_experiment_by_name(f"round_time_{method}").experiment_id])[0]
-    return {"round_s": rounds, "startup_s": run.data.metrics.get("startup_s", float("nan")),
-            "process_s": time.time() - t0, "head_acc": float(hist["head_acc"].iloc[-1]),
-            "proto_acc": float(hist["proto_acc"].iloc[-1]) if "proto_acc" in hist else float("nan"),
-            "num_actors": int(float(run.data.params.get("derived.num_actors", "nan"))),
-            "utilisation": float(hist["slot_utilisation"].iloc[-1])}
+    return {"round_s": rounds, "startup_s": run.data.metrics.get("federation/startup_s", float("nan")),
+            "process_s": time.time() - t0, "head_acc": float(hist["eval/head_acc"].iloc[-1]),
+            "proto_acc": float(hist["eval/proto_acc"].iloc[-1]) if "eval/proto_acc" in hist else float("nan"),
+            "num_actors": int(float(run.data.params.get("plan.num_actors", "nan"))),
+            "utilisation": float(hist["federation/slot_utilisation"].iloc[-1])}
 
 
 def main() -> None:

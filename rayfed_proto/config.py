@@ -179,6 +179,15 @@ class TrackingConfig(_Section):
     run_name: Optional[str] = None
     parent_run_id: Optional[str] = Field(None, description="nest this run under an MLflow parent run (a Tune sweep sets it)")
     output_dir: str = Field("runs", description="local folder for artifacts before upload")
+    log_models: Literal["auto", "none", "server", "per_architecture", "all"] = Field(
+        "auto", description="models logged with mlflow.pytorch.log_model at the end of the run; auto: the server's "
+                            "model when the method has one, otherwise one client per architecture")
+    client_series_limit: int = Field(
+        100, ge=0, description="up to this many clients, every client gets client/<id>/... series; above, a seeded sample")
+    client_series_sample: int = Field(
+        20, ge=0, description="above client_series_limit: clients in the seeded sample (plus the final worst and best)")
+    system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, GPU) of the driver process")
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="sampling interval of the system metrics")
 
 
 class CheckpointConfig(_Section):

@@ -103,6 +103,14 @@ class ClientActor:
     def evaluate(self, client_ids: list[int], state: GlobalState) -> list[dict[str, Any]]:
         return self.host.evaluate(client_ids, state)
 
+    def export_model(self, client_id: int, state: GlobalState) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """A CPU copy of the client's model as an evaluation against ``state`` scores it, with
+        that evaluation (MLflow model logging)."""
+        import copy
+
+        result = self.runners[client_id].evaluate(state)
+        return copy.deepcopy(self.runners[client_id].model).cpu().eval(), result
+
     def info(self) -> dict[str, Any]:
         hosted = self.host.client_ids if self.host is not None else []
         live = self.host.live_count() if self.host is not None else 0
@@ -199,6 +207,16 @@ class ServerActor:
 
     def guidance_bank(self):
         return self.core.algorithm.guidance_bank()
+
+    def export_model(self) -> tuple[torch.nn.Module | None, dict[str, Any]]:
+        """A CPU copy of the server's model (None for methods without one) and the server metrics
+        of the current version (global_acc...), for MLflow model logging."""
+        import copy
+
+        with self.core.step_lock:
+            model = self.core.algorithm.global_model()
+            model = None if model is None else copy.deepcopy(model).cpu().eval()
+            return model, dict(self.core.version_metrics.get(self.core.version, {}))
 
     def stop(self) -> None:
         self._stop.set()

@@ -215,6 +215,9 @@ def _run_experiment(
     num_classes, channels, image_size = dataset.num_classes, dataset.channels, dataset.image_size
     class_names = list(dataset.class_names)
     fleet.data_ref = ray.put(dataset)  # once: every actor maps these arrays (zero-copy), none loads them
+    from rayfed_proto.tracking.run_logging import RunLogging
+
+    run_log = RunLogging(cfg, tracker, dataset, partition)  # datasets, input example, per-client series
     del dataset
     groups = assign_clients(fed.num_clients, plan.clients_per_actor, work=[float(len(s.train_idx)) for s in partition.clients],
                             num_actors=plan.num_actors)
@@ -236,7 +239,7 @@ def _run_experiment(
         else:
             params = cfg.flat()
             params.update({"derived.num_classes": num_classes, "derived.channels": channels, "derived.image_size": image_size,
-                           **{f"derived.{k}": v for k, v in plan.as_dict().items()}})
+                           **{f"plan.{k}": v for k, v in plan.as_dict().items()}})  # resource plan: params, not metrics
             run_id = tracker.start(params, tags={"algorithm": cfg.algorithm.name, "dataset": cfg.data.name,
                                                  "mode": cfg.federation.mode, "model_group": cfg.model.group})
             runfolder.write_run_info(out, run_id, tracker.uri)  # before any checkpoint: a resume can name the run
@@ -261,6 +264,7 @@ def _run_experiment(
             heatmap = plots.plot_label_distribution(label_counts, out / "label_distribution.png", class_names=class_names,
                                                     title=f"{cfg.data.name}: {cfg.data.partition.name} partition")
             tracker.log_artifact(heatmap, "plots")
+            run_log.started()
 
         from rayfed_proto.runtime.progress import NoProgressError, ProgressWatch
         from rayfed_proto.runtime.scheduler import Scheduler, StopRequested
@@ -307,6 +311,7 @@ def _run_experiment(
                        dynamic_ncols=True)
 
         def handle_eval(version: int, metrics: dict[str, Any]) -> None:
+            metrics = run_log.on_eval(version, dict(metrics))  # logs and drops the per-client results
             metrics = {**metrics, **_reliability_metrics(scheduler)}
             history.append({"version": version, **metrics})
             tracker.log_metrics(metrics, step=version)
@@ -381,6 +386,7 @@ def _run_experiment(
                              "pss_mib_client_actor_max": float(np.nanmax([p["pss_mib"] for p in clients_mem])),
                              "pss_mib_client_actors_total": float(np.nansum([p["pss_mib"] for p in clients_mem])),
                              "peak_rss_mib_server": placements[-1]["peak_rss_mib"]}, step=final_version)
+        run_log.actor_memory(placements, final_version)
         bank = ray.get(scheduler.server.guidance_bank.remote())
         _write_final_artifacts(out, tracker, history, bank, class_names, cfg)
         from rayfed_proto.tracking.report import format_summary_table
@@ -393,6 +399,7 @@ def _run_experiment(
         })
         (out / "summary.txt").write_text(summary + "\n")
         tracker.log_artifact(out / "summary.txt")
+        run_log.finish(final_version, summary, scheduler.server, scheduler.actors, groups, scheduler.global_ref)
         status = "FINISHED"
         runfolder.mark_finished(out, final_version, run_id)
         tracker.delete_tags(("stopped", "resume_from", "failure_reason"))  # left by an earlier stop: no longer true
@@ -521,9 +528,10 @@ def _install_stop_handlers(scheduler) -> Callable[[], None]:
 
 def _write_final_artifacts(out: Path, tracker, history, bank, class_names, cfg) -> None:
     from rayfed_proto.tracking import plots
+    from rayfed_proto.tracking.metric_names import namespaced
     from rayfed_proto.tracking.report import history_to_frame
 
-    frame = history_to_frame(history)
+    frame = history_to_frame([namespaced(h) for h in history])  # the column names of the MLflow metrics
     frame.to_parquet(out / "history.parquet")
     frame.to_csv(out / "history.csv", index=False)
     tracker.log_artifact(out / "history.parquet")

@@ -479,6 +479,7 @@ class Scheduler:
         )
         for k, v in server.get("server_metrics", {}).items():
             m[k] = v
+        m["per_client"] = results  # taken out by the driver (tracking.clients: client/<id>/... series)
         return m
 
     # ---------------------------------------------------------------------------- main loop

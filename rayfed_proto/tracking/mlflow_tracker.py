@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayfed_proto.config import TrackingConfig
+from rayfed_proto.tracking.metric_names import SCHEMA_TAG, SCHEMA_VERSION, mlflow_key
 
 
 def resolve_tracking_uri(uri: Optional[str]) -> str:
@@ -51,6 +52,11 @@ class MlflowTracker:
         self.parent_run_id = cfg.parent_run_id
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
+        self.system_metrics = cfg.system_metrics
+        if cfg.system_metrics:
+            from mlflow.system_metrics import set_system_metrics_sampling_interval
+
+            set_system_metrics_sampling_interval(cfg.system_metrics_interval_s)
 
     def start(self, params: dict[str, Any], tags: Optional[dict[str, str]] = None, nested: bool = False) -> str:
         mlflow = self.mlflow
@@ -61,12 +67,12 @@ class MlflowTracker:
                 raise
             exp = mlflow.set_experiment(self.experiment_name)
         self.experiment_id = exp.experiment_id
-        tags = dict(tags or {})
+        tags = {**run_tags(), **dict(tags or {}), SCHEMA_TAG: SCHEMA_VERSION}
         if self.parent_run_id:
             # The tag the UI nests by. Not start_run(parent_run_id=...): that requires the parent to
             # be ACTIVE and a resumed sweep's parent may be marked KILLED while its trials restart.
             tags["mlflow.parentRunId"] = self.parent_run_id
-        run = mlflow.start_run(run_name=self.run_name, tags=tags, nested=nested)
+        run = mlflow.start_run(run_name=self.run_name, tags=tags, nested=nested, log_system_metrics=self.system_metrics)
         self.run_id = run.info.run_id
         # MLflow caps a param value at 6000 characters and a batch at 100 params
         items = [(k, "None" if v is None else str(v)[:6000]) for k, v in params.items()]
@@ -81,7 +87,7 @@ class MlflowTracker:
         except Exception as e:  # deleted run, or another tracking store
             raise FileNotFoundError(f"MLflow run {run_id} not found at {self.uri} ({e}); resume with the same "
                                     "tracking.tracking_uri as the interrupted run") from None
-        run = self.mlflow.start_run(run_id=run_id)
+        run = self.mlflow.start_run(run_id=run_id, log_system_metrics=self.system_metrics)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         return self.run_id
 
@@ -93,18 +99,50 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.uri)
-        steps = sorted({m.step for m in client.get_metric_history(self.run_id, key) if m.step > after})
+        steps = sorted({m.step for m in client.get_metric_history(self.run_id, mlflow_key(key)) if m.step > after})
         if steps:
             before = client.get_run(self.run_id).data.tags.get("superseded_steps")
             span = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
             self.set_tags({"superseded_steps": f"{before},{span}" if before else span})
         return steps
 
-    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
-        clean = {k: float(v) for k, v in metrics.items()
+    def log_metrics(self, metrics: dict[str, Any], step: int, model_id: Optional[str] = None, dataset=None) -> None:
+        """Finite numbers only, under their namespaced names (``head_acc`` -> ``eval/head_acc``,
+        see :mod:`rayfed_proto.tracking.metric_names`): the one place where metric keys are renamed."""
+        clean = {mlflow_key(k): float(v) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
-        if clean:
-            self.mlflow.log_metrics(clean, step=step)
+        for items in _chunks(list(clean.items()), 1000):  # MLflow's batch limit
+            self.mlflow.log_metrics(dict(items), step=step, model_id=model_id, dataset=dataset)
+
+    def log_metric_points(self, points: list[tuple[str, float, int]]) -> None:
+        """(key, value, step) logged after the fact (back-filled series), keys as given."""
+        import time
+
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(k, float(v), now, int(s)) for k, v, s in points if math.isfinite(float(v))]
+        client = MlflowClient(self.uri)
+        for chunk in _chunks(metrics, 1000):
+            client.log_batch(self.run_id, metrics=chunk)
+
+    def log_table(self, frame, artifact_file: str) -> None:
+        self.mlflow.log_table(data=frame, artifact_file=artifact_file)
+
+    def log_inputs(self, datasets: list, contexts: list[str], tags: Optional[list[dict[str, str]]] = None) -> None:
+        self.mlflow.log_inputs(datasets=datasets, contexts=contexts, tags_list=tags)
+
+    def log_model(self, model, name: str, **kwargs) -> Optional[str]:
+        """``mlflow.pytorch.log_model`` under this run; returns the logged model's id."""
+        import mlflow.pytorch
+
+        info = mlflow.pytorch.log_model(model, name=name, **kwargs)
+        return info.model_id
+
+    def set_description(self, text: str) -> None:
+        """The run's description (the Overview's "Description" box, markdown)."""
+        self.mlflow.set_tag("mlflow.note.content", text)
 
     def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
         self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
@@ -176,7 +214,22 @@ class NullTracker:
     def note_superseded_steps(self, after, key="head_acc"):
         return []
 
-    def log_metrics(self, metrics, step):
+    def log_metrics(self, metrics, step, model_id=None, dataset=None):
+        pass
+
+    def log_metric_points(self, points):
+        pass
+
+    def log_table(self, frame, artifact_file):
+        pass
+
+    def log_inputs(self, datasets, contexts, tags=None):
+        pass
+
+    def log_model(self, model, name, **kwargs):
+        return None
+
+    def set_description(self, text):
         pass
 
     def log_artifact(self, path, artifact_path=None):
@@ -190,6 +243,39 @@ class NullTracker:
 
     def end(self, status="FINISHED"):
         pass
+
+
+def _chunks(items: list, n: int):
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def git_commit() -> tuple[Optional[str], Optional[bool]]:
+    """(commit, dirty) of the git checkout holding this package; (None, None) outside one (an
+    installed wheel) or without git."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=5, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=5, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    return (commit or None), bool(status.strip())
+
+
+def run_tags() -> dict[str, str]:
+    """Tags every run carries: the package version and, from a git checkout, the commit."""
+    import rayfed_proto
+
+    tags = {"rayfed_proto.version": rayfed_proto.__version__}
+    commit, dirty = git_commit()
+    if commit:
+        tags.update({"mlflow.source.git.commit": commit, "rayfed_proto.git_commit": commit,
+                     "rayfed_proto.git_dirty": str(dirty).lower()})
+    return tags
 
 
 def make_tracker(cfg: TrackingConfig):

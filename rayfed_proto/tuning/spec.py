@@ -7,7 +7,7 @@ set: {federation.rounds: 20}       # optional overrides of the base, dotted KEY:
 search_space:
   algorithm.lam: {loguniform: [0.01, 10]}
 num_samples: 6
-metric: head_acc
+metric: eval/head_acc               # an MLflow metric name (old flat names are read for one release)
 mode: max
 scheduler: {name: asha, grace_period: 5, reduction_factor: 2}
 searcher: null                     # or {name: optuna}
@@ -44,7 +44,8 @@ from rayfed_proto.config import (
 )
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform")
-METRICS = ("head_acc", "head_acc_mean", "proto_acc", "proto_acc_mean")
+# Tune's metric: the MLflow name; the pre-namespacing names (head_acc...) are read as these for one release
+METRICS = ("eval/head_acc", "eval/head_acc_mean", "eval/proto_acc", "eval/proto_acc_mean", "eval/global_acc")
 # keys the sweep owns in every trial: sweeping them would break placement or tracking
 RESERVED_PREFIXES = ("resources.", "tracking.")
 # how many corner configs are built one by one before falling back to one key at a time
@@ -206,7 +207,7 @@ class SweepFile(_Section):
     set: dict[str, Any] = Field(default_factory=dict, description="dotted overrides of the base")
     search_space: dict[str, Any]
     num_samples: int = Field(1, ge=1)
-    metric: str = "head_acc"
+    metric: str = "eval/head_acc"
     mode: Literal["max", "min"] = "max"
     scheduler: SchedulerSpec = SchedulerSpec()
     searcher: Optional[SearcherSpec] = None
@@ -218,6 +219,10 @@ class SweepFile(_Section):
     @field_validator("metric")
     @classmethod
     def _metric(cls, v):
+        from rayfed_proto.tracking.metric_names import resolve
+
+        if isinstance(v, str) and "/" not in v and resolve(v, warn=False) in METRICS:
+            v = resolve(v)  # an old name: accepted for one release, with a DeprecationWarning
         if v not in METRICS:
             raise ValueError(f"one of {', '.join(METRICS)}")
         return v

@@ -21,6 +21,7 @@ from typing import Any, Optional
 import yaml
 
 from rayfed_proto.config import ConfigError, ConfigIssue
+from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED
 from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
 from rayfed_proto.tuning.report import best_config, format_table, plot_metric_vs_params, rank_trials, write_best_yaml
@@ -303,7 +304,7 @@ def _close_children(client, spec: SweepSpec, parent_run_id: str, errored: set[st
                                   max_results=10_000):
         status, name = run.info.status, run.info.run_name or ""
         stopped = status == "RUNNING" or (status == "FAILED" and errored is not None
-                                          and not any(name.endswith(f"-{t}") for t in errored))
+                                          and not any(name.split(" ", 1)[0].endswith(f"-{t}") for t in errored))
         if stopped:
             client.set_tag(run.info.run_id, "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
             client.set_terminated(run.info.run_id, status="KILLED")
@@ -346,7 +347,8 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
         w.writeheader()
         w.writerows(ranked)
     (local_dir / "trials.txt").write_text(table + "\n")
-    plot = plot_metric_vs_params(ranked, spec.space, metric, local_dir / f"{metric}_vs_params.png", title=spec.name)
+    plot = plot_metric_vs_params(ranked, spec.space, metric, local_dir / f"{metric.replace('/', '_')}_vs_params.png",
+                                 title=spec.name)
 
     best_path = None
     scored = [r for r in ranked if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
@@ -364,11 +366,11 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
             client.log_artifact(parent_run_id, str(p), sub)
         if best_path is not None:
             client.log_artifact(parent_run_id, str(best_path))
-            client.log_metric(parent_run_id, f"best_{metric}", float(scored[0][metric]))
+            client.log_metric(parent_run_id, f"best/{metric}", float(scored[0][metric]))
             for k in spec.space:
                 client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))
-        client.log_metric(parent_run_id, "trials", len(ranked))
-        client.log_metric(parent_run_id, "trials_errored", errors)
+        client.log_metric(parent_run_id, SWEEP_TRIALS, len(ranked))
+        client.log_metric(parent_run_id, SWEEP_TRIALS_ERRORED, errors)
     return SweepResult(exp_path, parent_run_id, store_uri, ranked, table, best_path, errors)
 
 

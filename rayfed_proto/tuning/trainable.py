@@ -97,8 +97,25 @@ def trial_resources_fn(ctx: TrialContext):
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: float(v) for k, v in metrics.items()
+    """The finite numbers of a history row, under their MLflow names (``eval/head_acc``...)."""
+    from rayfed_proto.tracking.metric_names import namespaced
+
+    return {k: float(v) for k, v in namespaced(metrics).items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+
+
+def trial_run_name(sweep_name: str, trial_id: str, values: dict[str, Any], keys: list[str]) -> str:
+    """``<sweep>-<trial id> [lam=0.5 lr=0.003]``: the swept values, by the last part of each key
+    (the whole key when two would read alike), so child runs tell apart in the MLflow run list."""
+    short = [k.rsplit(".", 1)[-1] for k in keys]
+    names = [s if short.count(s) == 1 else k for s, k in zip(short, keys, strict=True)]
+
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    shown = " ".join(f"{n}={fmt(values[k])}" for n, k in zip(names, keys, strict=True) if k in values)
+    name = f"{sweep_name}-{trial_id}"
+    return f"{name} [{shown}]"[:250] if shown else name
 
 
 def make_trainable(ctx: TrialContext):
@@ -108,7 +125,7 @@ def make_trainable(ctx: TrialContext):
         from rayfed_proto.runtime.driver import run_experiment
 
         trial_id = tune.get_context().get_trial_id()
-        run_name = f"{ctx.sweep_name}-{trial_id}"
+        run_name = trial_run_name(ctx.sweep_name, trial_id, config, ctx.space_keys)
         cfg, _ = trial_config(ctx, config, run_name=run_name, trial_id=trial_id)
         # a sweep resumed after an interrupt: the trial continues its run from the latest checkpoint
         resume_dir = resumable_run(trial_output_dir(ctx, trial_id), cfg)
@@ -116,7 +133,7 @@ def make_trainable(ctx: TrialContext):
         reported: list[int] = []
 
         def on_eval(version: int, metrics: dict[str, Any]) -> None:
-            report: dict[str, Any] = {**_numeric(metrics), "version": version}
+            report: dict[str, Any] = {**_numeric(metrics), "version": version}  # MLflow names: eval/head_acc...
             if cfg.tracking.enabled:
                 import mlflow
 
@@ -124,7 +141,7 @@ def make_trainable(ctx: TrialContext):
                 if run is not None and not run_ids:
                     run_ids.append(run.info.run_id)
                 report["mlflow_run_id"] = run_ids[0] if run_ids else None
-            if ctx.metric not in metrics:  # proto_acc has no value before the first bank (version 0)
+            if ctx.metric not in report:  # proto_acc has no value before the first bank (version 0)
                 return
             if version >= cfg.federation.rounds:
                 # The last evaluation is reported once the run has ended: a scheduler stops a
@@ -151,7 +168,7 @@ def make_trainable(ctx: TrialContext):
         if not final and not reported:
             # resumed from a checkpoint of the last version: every evaluation is in the history
             # already and none was reported in this attempt; Tune gets the last one
-            last = next((h for h in reversed(result.history) if ctx.metric in h), None)
+            last = next((h for h in reversed(result.history) if ctx.metric in _numeric(h)), None)
             if last is not None:
                 final.append({**_numeric(last), "version": int(last.get("version", result.final_version)),
                               "mlflow_run_id": result.run_id})

@@ -38,7 +38,7 @@ def test_method_runs_through_actors_and_logs_to_mlflow(ray_session, tracking, me
     client = MlflowClient(uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED" and run.data.params["algorithm.name"] == method
-    steps = sorted(m.step for m in client.get_metric_history(result.run_id, "head_acc"))
+    steps = sorted(m.step for m in client.get_metric_history(result.run_id, "eval/head_acc"))
     assert steps == [0, 1, 2]
     last = result.history[-1]
     assert last["updates_accepted"] == 8 and last["updates_refused"] == 0
@@ -49,7 +49,7 @@ def test_method_runs_through_actors_and_logs_to_mlflow(ray_session, tracking, me
     if bank.exists():
         assert np.isfinite(np.load(bank)["vectors"]).all()
     if cfg.data.global_test_fraction > 0:  # a method with a server-held model: its global accuracy per evaluation
-        assert sorted(m.step for m in client.get_metric_history(result.run_id, "global_acc")) == [0, 1, 2]
+        assert sorted(m.step for m in client.get_metric_history(result.run_id, "eval/global_acc")) == [0, 1, 2]
         assert 0.0 <= last["global_acc"] <= 1.0
 
 
@@ -68,7 +68,7 @@ def test_fedlsa_on_domain_skewed_data_logs_accuracy_per_domain(ray_session, trac
     per_domain = [last[f"global_acc_{d}"] for d in ("original", "inverted", "tinted")]
     assert last["global_acc_domain_mean"] == sum(per_domain) / 3
     for d in ("original", "inverted", "tinted"):
-        assert [m.step for m in client.get_metric_history(result.run_id, f"global_acc_{d}")] == [0, 1, 2]
+        assert [m.step for m in client.get_metric_history(result.run_id, f"eval/global_acc_{d}")] == [0, 1, 2]
     assert "global_acc_rotated" not in last  # a domain that was not selected
     # nearest-anchor inference: FedLSA's anchors are the inference bank
     assert 0.0 <= last["proto_acc"] <= 1.0
@@ -83,7 +83,7 @@ def test_fedsap_semi_supervised_logs_pseudo_labels_per_version(ray_session, trac
         "federation.num_clients=4", "resources.clients_per_actor=2", "federation.mode=sync",
         "federation.rounds=3", "federation.eval_every=1"])
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
-    history = MlflowClient(uri).get_metric_history(result.run_id, "train_pseudo_candidates")
+    history = MlflowClient(uri).get_metric_history(result.run_id, "train/pseudo_candidates")
     assert history and max(m.value for m in history) > 0  # the semi-supervised phase ran and was logged
     last = result.history[-1]
     assert "train_pseudo_accepted" in last and last["train_pseudo_accepted"] >= 0

@@ -219,7 +219,7 @@ def test_driver_stopped_or_killed_then_resumed_from_the_command_line(ray_session
     output = resumed.communicate(timeout=600)[0]
     assert resumed.returncode == 0, output
     assert client.get_run(run_id).info.status == "FINISHED"
-    steps = sorted({m.step for m in client.get_metric_history(run_id, "head_acc")})
+    steps = sorted({m.step for m in client.get_metric_history(run_id, "eval/head_acc")})
     assert steps == list(range(7))  # every version logged in the one run, before and after
 
 
@@ -236,7 +236,7 @@ def test_async_run_stopped_and_resumed_continues_the_same_run(ray_session, track
     assert ckpt is not None and ckpt.version >= 3  # written on the stop although periodic checkpoints are off
     resumed = run_experiment(build_config({}, common), resume_dir=out, **QUIET)
     assert resumed.final_version == 6 and resumed.run_id == ckpt.manifest["run_id"]
-    steps = sorted({m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, "head_acc")})
+    steps = sorted({m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, "eval/head_acc")})
     assert steps == list(range(7))
     last = resumed.history[-1]
     assert last["updates_lost_client"] == 0 and last["updates_lost_server"] == 0

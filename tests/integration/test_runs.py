@@ -36,13 +36,13 @@ def test_async_fedtgp_run_writes_metrics_params_and_artifacts(ray_session, track
     client = MlflowClient(uri)
     run = client.get_run(result.run_id)
     assert run.info.status == "FINISHED"
-    acc = metric_steps(client, result.run_id, "head_acc")
+    acc = metric_steps(client, result.run_id, "eval/head_acc")
     assert [s for s, _ in acc] == [0, 2, 4, 6]
     assert all(0.0 <= v <= 1.0 for _, v in acc)
-    assert [s for s, _ in metric_steps(client, result.run_id, "proto_acc")] == [2, 4, 6]  # no bank at version 0
-    up = metric_steps(client, result.run_id, "bytes_up")
+    assert [s for s, _ in metric_steps(client, result.run_id, "eval/proto_acc")] == [2, 4, 6]  # no bank at version 0
+    up = metric_steps(client, result.run_id, "federation/bytes_up")
     assert up[-1][1] > up[1][1] > 0  # cumulative bytes grow
-    assert metric_steps(client, result.run_id, "updates_refused")[-1][1] == 0
+    assert metric_steps(client, result.run_id, "federation/updates_refused")[-1][1] == 0
     # the whole resolved config is logged, flattened
     assert run.data.params["federation.mode"] == "async" and run.data.params["algorithm.name"] == "fedtgp"
     assert run.data.params["data.partition.beta"] == "0.5"
@@ -64,7 +64,7 @@ def test_async_every_version_is_evaluated_even_when_versions_come_fast(ray_sessi
                                             "federation.eval_every=1", "federation.buffer_size=1", "federation.concurrency=3"])
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     assert sorted(h["version"] for h in result.history) == list(range(9))
-    steps = [s for s, _ in metric_steps(MlflowClient(uri), result.run_id, "updates_accepted")]
+    steps = [s for s, _ in metric_steps(MlflowClient(uri), result.run_id, "federation/updates_accepted")]
     assert sorted(steps) == list(range(9))
 
 
@@ -74,7 +74,7 @@ def test_sync_fedproto_partial_participation(ray_session, tracking):
                                             "federation.eval_every=1", "federation.participation=0.5"])
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     client = MlflowClient(uri)
-    assert [s for s, _ in metric_steps(client, result.run_id, "head_acc")] == [0, 1, 2, 3]
+    assert [s for s, _ in metric_steps(client, result.run_id, "eval/head_acc")] == [0, 1, 2, 3]
     last = result.history[-1]
     # 2 of 4 clients per round, 3 rounds, all fresh
     assert last["updates_accepted"] == 6 and last["updates_dispatched"] == 6

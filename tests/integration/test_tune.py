@@ -62,23 +62,23 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
 
     assert [r["status"] for r in result.ranked] == ["done", "done"]
     assert sorted(r["algorithm.lam"] for r in result.ranked) == [0.1, 1.0]
-    assert result.ranked[0]["head_acc"] >= result.ranked[1]["head_acc"]
+    assert result.ranked[0]["eval/head_acc"] >= result.ranked[1]["eval/head_acc"]
 
     # the sweep's server is gone; the runs are in the sqlite store it served
     client = MlflowClient(result.tracking_uri)
     assert result.tracking_uri.startswith("sqlite:///")
     parent = client.get_run(result.parent_run_id)
-    assert parent.info.status == "FINISHED" and parent.data.metrics["trials"] == 2
+    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/trials"] == 2
     arts = {f.path for f in client.list_artifacts(result.parent_run_id)}
     assert {"trials.csv", "trials.txt", "best.yaml", "plots"} <= arts
-    assert [f.path for f in client.list_artifacts(result.parent_run_id, "plots")] == ["plots/head_acc_vs_params.png"]
+    assert [f.path for f in client.list_artifacts(result.parent_run_id, "plots")] == ["plots/eval_head_acc_vs_params.png"]
     kids = children(client, result.parent_run_id)
     assert len(kids) == 2 and {k.info.run_id for k in kids} == {r["mlflow_run_id"] for r in result.ranked}
     for kid in kids:  # concurrent writers lost nothing: every version of both runs is there
         assert kid.info.status == "FINISHED"
         assert "summary.txt" in {f.path for f in client.list_artifacts(kid.info.run_id)}
-        assert steps(client, kid.info.run_id, "head_acc") == list(range(ROUNDS + 1))
-        assert steps(client, kid.info.run_id, "proto_acc") == list(range(1, ROUNDS + 1))
+        assert steps(client, kid.info.run_id, "eval/head_acc") == list(range(ROUNDS + 1))
+        assert steps(client, kid.info.run_id, "eval/proto_acc") == list(range(1, ROUNDS + 1))
         assert kid.data.params["resources.client_num_cpus"] == "0.25"  # the trial's bundle shares
         assert kid.data.tags["mlflow.runName"].startswith("tiny-")
 
@@ -95,7 +95,7 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
             if "mlflow.parentRunId" not in r.data.tags and r.info.run_id != result.parent_run_id]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
     assert float(runs[0].data.params["algorithm.lam"]) == result.ranked[0]["algorithm.lam"]
-    assert steps(client, runs[0].info.run_id, "head_acc") == [0, 1]
+    assert steps(client, runs[0].info.run_id, "eval/head_acc") == [0, 1]
 
 
 def _finished_trials(storage: Path, rounds: int = ROUNDS) -> int:
@@ -153,7 +153,7 @@ def test_an_interrupted_sweep_resumes_and_its_unfinished_trial_continues_from_it
     # one MLflow run per trial, both FINISHED: a restart from version 0 would have left a KILLED run beside a new one
     assert len(kids) == 2 and {k.info.status for k in kids} == {"FINISHED"}
     for row in resumed.ranked:
-        history = steps(client, row["mlflow_run_id"], "head_acc")
+        history = steps(client, row["mlflow_run_id"], "eval/head_acc")
         # versions after the checkpoint that were logged before the interrupt are logged again
         # (same step), those before it are not: version 0 once, so the run was not restarted
         assert sorted(set(history)) == list(range(rounds + 1)) and history.count(0) == 1

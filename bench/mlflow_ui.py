@@ -1,0 +1,236 @@
+"""Screenshots of the MLflow UI as a person browses a finished run: run overview, model metrics,
+system metrics, the sweep's parent run and its child runs, in headless Chromium.
+
+The checks of *content* are tests (tests/integration/test_mlflow_content.py, through MlflowClient);
+this script is for what a person sees. It serves the store with ``mlflow ui`` on 127.0.0.1 (a free
+port, stopped at the end) and renders each page with Debian's ``chromium`` package
+(``apt-get install -y chromium``; any Chromium or Chrome on PATH works, or pass --chromium).
+
+    python bench/mlflow_ui.py --demo --out docs/img/mlflow      # a 4-client run and a 2-trial sweep, then PNGs
+    python bench/mlflow_ui.py --tracking-uri sqlite:///mlflow.db --run-id RUN [--parent-run-id SWEEP] --out shots
+
+``--demo`` writes its store under a temporary folder (or --workdir) so it never touches ./mlflow.db.
+
+The UI is a single-page app that draws after its API calls return and loads its charts lazily, so
+a plain ``chromium --screenshot`` catches spinners. With Playwright installed (``pip install
+playwright``; it drives the system Chromium, no browser download) each page is opened, the
+MLflow Assistant side panel is closed, a chart filter is typed where asked, and the screenshot is
+taken ``--wait`` seconds after the page's tabs appear. Without Playwright the script falls back
+to ``chromium --headless --screenshot`` with a virtual-time budget (charts may still be loading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
+                  "--disable-dev-shm-usage"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_chromium(given: str | None) -> str:
+    for name in ([given] if given else []) + ["chromium", "chromium-browser", "google-chrome", "chrome"]:
+        path = shutil.which(name) if name else None
+        if path:
+            return path
+    sys.exit("no Chromium found: install it (Debian/Ubuntu: apt-get install -y chromium) or pass --chromium PATH")
+
+
+class MlflowUi:
+    """``mlflow ui`` on 127.0.0.1 over a store, as a context manager."""
+
+    def __init__(self, store_uri: str, workdir: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+        self.log = open(workdir / "mlflow_ui.log", "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store_uri,
+                                      "--host", "127.0.0.1", "--port", str(self.port)],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=workdir,
+                                     start_new_session=True)
+
+    def __enter__(self):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow ui exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError("mlflow ui did not answer within 120 s")
+
+    def __exit__(self, *exc):
+        import signal
+
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the server and its workers
+            self.proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def screenshot_playwright(browser, url: str, out: Path, width: int, height: int, wait_s: float,
+                          search: str | None = None, click: str | None = None) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page = browser.new_page(viewport={"width": width, "height": height})
+    try:
+        page.goto(url, timeout=180_000)
+        try:  # a run page is drawn once its tabs are; pages without tabs get the plain wait below
+            page.get_by_role("tab").first.wait_for(timeout=90_000)
+        except Exception:
+            pass
+        close = page.get_by_role("button", name="Close")  # the MLflow Assistant side panel
+        if close.count():
+            close.first.click()
+        if search:
+            box = page.get_by_placeholder(re.compile("search", re.I))
+            box = box.first if box.count() else page.locator("input[placeholder]").first  # the run list filter
+            box.fill(search)
+            box.press("Enter")
+        if click:  # e.g. "Expand rows": show a sweep's child runs under their parent
+            target = page.get_by_text(click, exact=True)
+            try:
+                target.first.wait_for(timeout=60_000)
+                target.first.click()
+            except Exception:
+                print(f"  ({click!r} not found on {url})")
+        time.sleep(wait_s)  # API calls and lazily drawn charts
+        page.screenshot(path=str(out))
+    finally:
+        page.close()
+    print(f"{out}  <-  {url}" + (f" (filter {search!r})" if search else ""))
+    return out
+
+
+def screenshot(chromium: str, url: str, out: Path, width: int, height: int, wait_s: float, profile: Path) -> Path:
+    out = out.resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(profile, ignore_errors=True)  # a fresh profile per page: no state carried over
+    cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
+           f"--virtual-time-budget={int(wait_s * 1000)}", f"--screenshot={out}", url]
+    subprocess.run(cmd, capture_output=True, timeout=wait_s + 120, check=False)
+    if not out.is_file():
+        raise RuntimeError(f"chromium wrote no screenshot for {url}")
+    print(f"{out}  <-  {url}")
+    return out
+
+
+def demo(workdir: Path) -> tuple[str, str, str]:
+    """A small finished run and a 2-trial sweep in ``workdir``: (store uri, run id, sweep parent run id)."""
+    import ray
+
+    from rayfed_proto.config import build_config
+    from rayfed_proto.runtime.driver import run_experiment
+    from rayfed_proto.tuning.spec import parse_sweep
+    from rayfed_proto.tuning.sweep import run_sweep
+
+    uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    base = {"data": {"name": "digits", "partition": {"name": "dirichlet", "beta": 0.5, "min_samples": 20}},
+            "model": {"group": "small_hetero", "feature_dim": 32}, "algorithm": {"name": "fedproto"},
+            "federation": {"mode": "sync", "num_clients": 4, "rounds": 6, "eval_every": 1},
+            "tracking": {"experiment_name": "mlflow_ui_demo", "tracking_uri": uri, "output_dir": str(workdir / "runs"),
+                         "system_metrics_interval_s": 1.0, "run_name": "fedproto-digits-4-clients"}}
+    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
+    try:
+        result = run_experiment(build_config(base), progress=False, echo=print)
+        sweep_base = {**base, "federation": {**base["federation"], "rounds": 3},
+                      "tracking": {k: v for k, v in base["tracking"].items() if k != "run_name"}}
+        spec = parse_sweep({"name": "fedproto_lam", "base": sweep_base, "metric": "eval/head_acc", "mode": "max",
+                            "search_space": {"algorithm.lam": {"grid": [0.1, 1.0]}}, "max_concurrent_trials": 1,
+                            "trial_resources": {"driver_cpus": 0.25, "server_cpus": 0.25, "client_cpus": 0.25,
+                                                "client_actors": 2},
+                            "storage_path": str(workdir / "tune")}, "demo.yaml", workdir)
+        sweep = run_sweep(spec, verbose=0, echo=print)
+    finally:
+        ray.shutdown()
+    return uri, result.run_id, sweep.parent_run_id
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--demo", action="store_true", help="first log a small run and a 2-trial sweep (digits, CPU)")
+    p.add_argument("--tracking-uri", help="the store of an existing run (sqlite:///...)")
+    p.add_argument("--run-id", help="the run to show")
+    p.add_argument("--parent-run-id", help="a sweep's parent run to show (optional)")
+    p.add_argument("--out", default="bench/results/mlflow_ui", help="folder for the PNGs")
+    p.add_argument("--workdir", help="--demo: where the store and runs go (default: a temporary folder)")
+    p.add_argument("--chromium", help="the browser binary (default: chromium on PATH)")
+    p.add_argument("--only", nargs="+", help="render only these pages (run_overview, sweep_runs...)")
+    p.add_argument("--width", type=int, default=1600)
+    p.add_argument("--height", type=int, default=1300)
+    p.add_argument("--wait", type=float, default=12.0,
+                   help="seconds to wait after a page appears (without Playwright: seconds of virtual page time)")
+    args = p.parse_args()
+
+    chromium = find_chromium(args.chromium)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rayfed_mlflow_ui_")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if args.demo:
+        uri, run_id, parent_id = demo(workdir)
+    else:
+        if not (args.tracking_uri and args.run_id):
+            p.error("give --demo, or --tracking-uri and --run-id")
+        uri, run_id, parent_id = args.tracking_uri, args.run_id, args.parent_run_id
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_run(run_id).info.experiment_id
+    out = Path(args.out)
+    run_page = f"#/experiments/{exp}/runs/{run_id}"
+    pages = [("run_overview", run_page, args.height + 900, None, None),
+             ("run_model_metrics", f"{run_page}/model-metrics", args.height + 300, "eval/", None),
+             ("run_model_metrics_clients", f"{run_page}/model-metrics", args.height, "client/", None),
+             ("run_system_metrics", f"{run_page}/system-metrics", args.height, None, None),
+             ("experiment_models", f"#/experiments/{exp}/models", args.height - 400, None, None)]
+    if parent_id:
+        pexp = client.get_run(parent_id).info.experiment_id
+        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}", args.height, None, None),
+                  ("sweep_runs", f"#/experiments/{pexp}/runs", args.height - 400,
+                   f"attributes.run_name LIKE '{client.get_run(parent_id).info.run_name}-%'", None)]
+    if args.only:
+        pages = [pg for pg in pages if pg[0] in args.only]
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+        print("playwright not installed: plain chromium --screenshot (charts may still be loading)")
+    with MlflowUi(uri, workdir) as ui:
+        if sync_playwright is None:
+            for name, route, height, _, _ in pages:
+                screenshot(chromium, f"{ui.url}/{route}", out / f"{name}.png", args.width, height, args.wait,
+                           workdir / "chromium-profile")
+            return 0
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS[1:])  # headless by default
+            try:
+                for name, route, height, search, click in pages:
+                    screenshot_playwright(browser, f"{ui.url}/{route}", out / f"{name}.png", args.width, height,
+                                          args.wait, search, click)
+            finally:
+                browser.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Everything the driver logs to MLflow beyond the per-evaluation metrics, behind a few calls.
+
+The driver creates one :class:`RunLogging` while it still holds the dataset (datasets, input
+example), then calls :meth:`started`, :meth:`on_eval` per evaluation and :meth:`finish` at the end.
+Keeping this here (not in runtime/) means the runtime only hands over what it has: the per-client
+evaluation results, the final global state, the actor handles.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import numpy as np
+
+from rayfed_proto.tracking.clients import PER_CLIENT, ClientSeries, client_table
+
+log = logging.getLogger("rayfed_proto")
+
+MAX_ACTORS_LOGGED = 64  # per-actor memory metrics; beyond that only the aggregates
+
+
+class RunLogging:
+    def __init__(self, cfg, tracker, dataset, partition):
+        from rayfed_proto.models import arch_for_client
+
+        self.cfg, self.tracker = cfg, tracker
+        n = cfg.federation.num_clients
+        self.archs = [arch_for_client(cfg.model.group, c) for c in range(n)]
+        self.class_names = list(dataset.class_names)
+        self.train_counts = partition.label_counts("train")
+        self.series = ClientSeries(n, cfg.tracking.client_series_limit, cfg.tracking.client_series_sample, cfg.seed)
+        self.partition = partition
+        self.inputs: Optional[tuple[list, list]] = None
+        self.input_example: Optional[np.ndarray] = None
+        if cfg.tracking.enabled:
+            from rayfed_proto.tracking.datasets import mlflow_datasets
+
+            self.inputs = mlflow_datasets(dataset, partition, cfg)
+            idx = next((c.test_idx for c in partition.clients if len(c.test_idx)), None)
+            if idx is not None:
+                self.input_example = dataset.tensors(np.asarray(idx[:2]))[0].numpy()
+
+    # ------------------------------------------------------------------------------ start
+    def started(self) -> None:
+        """A fresh run: datasets and the partition table."""
+        if not self.cfg.tracking.enabled:
+            return
+        from rayfed_proto.tracking.datasets import partition_table
+
+        try:
+            if self.inputs is not None:
+                datasets, contexts = self.inputs
+                self.tracker.log_inputs(datasets, contexts, [{"rayfed_proto.split": d.name} for d in datasets])
+        except Exception as e:  # never fail a run for its bookkeeping
+            log.warning("could not log the datasets to MLflow: %r", e)
+        try:
+            self.tracker.log_table(partition_table(self.partition, self.class_names, self.archs), "tables/partition.json")
+        except Exception as e:
+            log.warning("could not log the partition table to MLflow: %r", e)
+
+    # ------------------------------------------------------------------------------ evaluations
+    def on_eval(self, version: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Takes the per-client results out of ``metrics`` (returned without them) and logs the
+        chosen clients' ``client/<id>/...`` series at ``version``."""
+        results = metrics.pop(PER_CLIENT, None)
+        if results:
+            self.tracker.log_metrics(self.series.metrics(version, results), step=version)
+        return metrics
+
+    # ------------------------------------------------------------------------------ end
+    def actor_memory(self, placements: list[dict[str, Any]], step: int) -> None:
+        """Each actor's peak RSS and PSS (the last placement is the server's) under system/actors/."""
+        m: dict[str, float] = {}
+        for a, p in enumerate(placements[:-1][:MAX_ACTORS_LOGGED]):
+            m[f"system/actors/client_actor_{a}_peak_rss_mib"] = p.get("peak_rss_mib", float("nan"))
+            m[f"system/actors/client_actor_{a}_pss_mib"] = p.get("pss_mib", float("nan"))
+        if placements:
+            m["system/actors/server_pss_mib"] = placements[-1].get("pss_mib", float("nan"))
+        self.tracker.log_metrics(m, step=step)
+
+    def finish(self, step: int, summary: str, server=None, actors=None, actor_clients=None, state_ref=None) -> None:
+        """End of a finished run: back-filled series, per-client table, models, description."""
+        if not self.cfg.tracking.enabled:
+            return
+        points, described = self.series.backfill()
+        self.tracker.set_tags({"rayfed_proto.client_series": described})
+        try:
+            self.tracker.log_metric_points(points)
+            self.tracker.log_table(client_table(self.series.last, self.train_counts, self.class_names, self.archs),
+                                   "tables/clients.json")
+        except Exception as e:
+            log.warning("could not log the per-client series / table to MLflow: %r", e)
+        logged = self._log_models(step, server, actors, actor_clients, state_ref) if server is not None else []
+        self.tracker.set_description(description(summary, described, logged))
+
+    def _log_models(self, step, server, actors, actor_clients, state_ref) -> list[str]:
+        import ray
+
+        from rayfed_proto.tracking.models import choose_models, log_pytorch_model
+
+        choice = self.cfg.tracking.log_models
+        if choice == "none" or self.input_example is None:
+            return []
+        logged: list[str] = []
+        try:
+            server_model, server_metrics = ray.get(server.export_model.remote())
+            with_server, clients = choose_models(choice, server_model is not None, self.archs)
+            if with_server:
+                acc = {k: v for k, v in server_metrics.items() if k.startswith("global_acc")}
+                log_pytorch_model(self.tracker, server_model, "server", self.input_example, acc, step,
+                                  dataset=self._dataset("global_test"),
+                                  tags={"rayfed_proto.model": "server", "algorithm": self.cfg.algorithm.name})
+                logged.append("server")
+            actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
+            for c in clients:
+                model, result = ray.get(actors[actor_of[c]].export_model.remote(c, state_ref))
+                n = result["n"]
+                acc = {"test_samples": float(n)}
+                if n:
+                    acc["head_acc"] = result["head_correct"] / n
+                    if result.get("proto_correct") is not None:
+                        acc["proto_acc"] = result["proto_correct"] / n
+                log_pytorch_model(self.tracker, model, f"client_{c}", self.input_example, acc, step,
+                                  dataset=self._dataset("test"),
+                                  tags={"rayfed_proto.model": "client", "client_id": c, "architecture": self.archs[c],
+                                        "algorithm": self.cfg.algorithm.name})
+                logged.append(f"client_{c}")
+        except Exception as e:  # a model that cannot be pickled or saved must not fail a finished run
+            log.warning("could not log models to MLflow: %r", e)
+        return logged
+
+    def _dataset(self, split: str):
+        if self.inputs is None:
+            return None
+        name = f"{getattr(self.inputs[0][0], 'name', '')}/{split}"
+        return next((d for d in self.inputs[0] if d.name == name), None)
+
+
+def description(summary: str, client_series: str, models: list[str]) -> str:
+    """The run's description (markdown): the summary table, what the per-client series cover, the models."""
+    lines = ["```", summary, "```", "", f"Per-client series (`client/<id>/...`): {client_series}."]
+    if models:
+        lines.append(f"Logged models: {', '.join(models)} (load with `mlflow.pytorch.load_model('models:/<model id>')`).")
+    lines.append("Metric names: `eval/`, `train/`, `server/`, `federation/`, `reliability/`, `system/` "
+                 "(old flat names: docs/concepts.md, \"MLflow metric names\").")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""What a finished run holds in MLflow, read back through MlflowClient (issue 14): namespaced
+metrics, per-client series (capped for large federations), tables, datasets, loadable models."""
+
+import mlflow
+import numpy as np
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from rayfed_proto.config import build_config
+from rayfed_proto.data import Partition, load_dataset
+from rayfed_proto.runtime.driver import run_experiment
+from rayfed_proto.tracking.clients import EXTREMES, ClientSeries
+from rayfed_proto.tracking.metric_names import SCHEMA_TAG, get_metric_history
+
+pytestmark = pytest.mark.integration
+
+SMALL = ["data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20", "model.group=small_hetero",
+         "model.feature_dim=32", "federation.mode=sync", "federation.eval_every=1", "tracking.system_metrics=false"]
+SECTIONS = {"eval", "train", "server", "federation", "reliability", "system", "client", "model"}
+
+
+def steps(client, run_id, key):
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def predict_accuracy(model, x, y):
+    with torch.no_grad():
+        return int((model(x).argmax(1) == y).sum()) / len(y)
+
+
+def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_client_models(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.num_clients=4", "federation.rounds=2",
+                                            "tracking.log_models=all"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    keys = set(run.data.metrics)
+
+    # 1. every key in a section the UI groups by; resource settings are params, not metrics
+    assert keys and all("/" in k and k.split("/", 1)[0] in SECTIONS for k in keys), sorted(keys)
+    assert not any(k.startswith("resources") for k in keys)
+    assert {"eval/head_acc", "eval/proto_acc", "train/loss", "train/align", "server/train_s",
+            "federation/staleness_mean", "reliability/client_failures"} <= keys
+    assert sorted(steps(client, result.run_id, "eval/head_acc")) == [0, 1, 2]
+    assert run.data.params["plan.concurrency"] and "plan.client_num_cpus" in run.data.params
+    assert run.data.tags[SCHEMA_TAG] == "2"
+    # old names stay readable through the helper (one release)
+    with pytest.warns(DeprecationWarning):
+        old = get_metric_history(client, result.run_id, "head_acc")
+    assert [m.value for m in sorted(old, key=lambda m: m.step)] == [result.history[i]["head_acc"] for i in range(3)]
+    # the history artifact uses the logged names
+    hist = mlflow.artifacts.download_artifacts(run_id=result.run_id, artifact_path="history.csv", tracking_uri=uri)
+    assert "eval/head_acc" in open(hist).readline().split(",")
+
+    # 2. per-client series for every client (4 <= limit), and the final table
+    for c in range(4):
+        for name in ("head_acc", "proto_acc", "train_loss", "samples"):
+            assert f"client/{c}/{name}" in keys, (c, name)
+        assert sorted(steps(client, result.run_id, f"client/{c}/head_acc")) == [0, 1, 2]
+    n = np.array([steps(client, result.run_id, f"client/{c}/samples")[2] for c in range(4)])
+    acc = np.array([steps(client, result.run_id, f"client/{c}/head_acc")[2] for c in range(4)])
+    assert (acc * n).sum() / n.sum() == pytest.approx(run.data.metrics["eval/head_acc"])  # sample-weighted mean
+    table = mlflow.load_table("tables/clients.json", run_ids=[result.run_id])
+    assert sorted(table["client_id"]) == [0, 1, 2, 3]
+    assert np.allclose(table.sort_values("client_id")["final_head_acc"].to_numpy(), acc)
+    partition_table = mlflow.load_table("tables/partition.json", run_ids=[result.run_id])
+    assert len(partition_table) == 4 and (partition_table["train_samples"] > 0).all()
+    assert run.data.tags["rayfed_proto.client_series"] == "all 4 clients"
+
+    # 4. datasets: the whole set and each split, with digests and contexts
+    inputs = {i.dataset.name: i for i in run.inputs.dataset_inputs}
+    assert {"digits", "digits/train", "digits/test"} <= set(inputs)
+    contexts = {name: {t.key: t.value for t in i.tags}.get("mlflow.data.context") for name, i in inputs.items()}
+    assert contexts["digits/train"] == "training" and contexts["digits/test"] == "testing"
+    assert all(i.dataset.digest for i in inputs.values())
+
+    # 5. context: version and commit tags, a description holding the summary
+    assert run.data.tags["rayfed_proto.version"]
+    assert "Run summary" in run.data.tags["mlflow.note.content"]
+
+    # 3. every client's model loads and reproduces the reported accuracy on that client's test split
+    models = {m.name: m for m in client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                                             filter_string=f"source_run_id = '{result.run_id}'")}
+    assert set(models) == {f"client_{c}" for c in range(4)}
+    partition = Partition.load_parquet(result.output_dir / "partition.parquet")
+    dataset = load_dataset(cfg.data, cfg.seed)
+    for c in (0, 3):
+        model = mlflow.pytorch.load_model(models[f"client_{c}"].model_uri)
+        x, y = dataset.tensors(partition.clients[c].test_idx)
+        measured = predict_accuracy(model, x, y)
+        assert measured == pytest.approx(steps(client, result.run_id, f"client/{c}/head_acc")[2], abs=1e-9)
+        assert measured == pytest.approx(run.data.metrics[f"model/client_{c}/head_acc"], abs=1e-9)
+        linked = client.get_logged_model(models[f"client_{c}"].model_id)
+        assert any(m.key == f"model/client_{c}/head_acc" for m in linked.metrics or [])
+    assert models["client_0"].tags.get("architecture") != models["client_1"].tags.get("architecture")
+
+
+def test_fedavg_default_logs_the_server_model_and_it_reproduces_global_accuracy(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, SMALL + track + ["algorithm.name=fedavg", "model.group=HtFE1", "federation.num_clients=3",
+                                            "federation.rounds=2", "data.global_test_fraction=0.2"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    models = {m.name: m for m in client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                                             filter_string=f"source_run_id = '{result.run_id}'")}
+    assert set(models) == {"server"}  # tracking.log_models=auto and FedAvg holds a model
+    model = mlflow.pytorch.load_model(models["server"].model_uri)
+    partition = Partition.load_parquet(result.output_dir / "partition.parquet")
+    x, y = load_dataset(cfg.data, cfg.seed).tensors(partition.global_test_idx)
+    assert predict_accuracy(model, x, y) == pytest.approx(steps(client, result.run_id, "eval/global_acc")[2], abs=1e-9)
+    assert "digits/global_test" in {i.dataset.name for i in run.inputs.dataset_inputs}
+
+
+def test_large_federation_logs_a_seeded_sample_plus_worst_and_best(ray_session, tracking):
+    uri, track = tracking
+    cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.num_clients=12",
+                                            "federation.participation=0.5", "federation.rounds=2",
+                                            "resources.clients_per_actor=4", "tracking.client_series_limit=6",
+                                            "tracking.client_series_sample=3", "tracking.log_models=none"])
+    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    client = MlflowClient(uri)
+    run = client.get_run(result.run_id)
+    logged = {int(k.split("/")[1]) for k in run.data.metrics if k.startswith("client/") and k.endswith("/head_acc")}
+    sample = ClientSeries(12, 6, 3, cfg.seed).chosen  # seeded: the same clients for the same seed
+    assert len(sample) == 3 and set(sample) <= logged
+    final = {c: client.get_metric_history(result.run_id, f"client/{c}/head_acc") for c in logged}
+    final = {c: max(h, key=lambda m: m.step).value for c, h in final.items()}
+    table = mlflow.load_table("tables/clients.json", run_ids=[result.run_id]).set_index("client_id")
+    assert len(table) == 12  # the table has every client
+    ranked = sorted((table.loc[c, "final_head_acc"], c) for c in range(12))
+    extremes = {c for _, c in ranked[:EXTREMES]} | {c for _, c in ranked[-EXTREMES:]}
+    assert logged == set(sample) | extremes and len(logged) < 12
+    for c in logged:  # back-filled: every evaluation, not only the last
+        assert sorted(m.step for m in client.get_metric_history(result.run_id, f"client/{c}/head_acc")) == [0, 1, 2]
+        assert final[c] == pytest.approx(table.loc[c, "final_head_acc"])
+    assert "seeded sample of 3 of 12 clients" in run.data.tags["rayfed_proto.client_series"]
+    assert not any(k.startswith("model/") for k in run.data.metrics)  # log_models=none
+
