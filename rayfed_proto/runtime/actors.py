@@ -106,10 +106,7 @@ class ClientActor:
     def export_model(self, client_id: int, state: GlobalState) -> tuple[torch.nn.Module, dict[str, Any]]:
         """A CPU copy of the client's model as an evaluation against ``state`` scores it, with
         that evaluation (MLflow model logging)."""
-        import copy
-
-        result = self.runners[client_id].evaluate(state)
-        return copy.deepcopy(self.runners[client_id].model).cpu().eval(), result
+        return self.host.export_model(client_id, state)
 
     def info(self) -> dict[str, Any]:
         hosted = self.host.client_ids if self.host is not None else []

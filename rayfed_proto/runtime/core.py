@@ -257,6 +257,18 @@ class ClientHost:
                 self._release(c, keep_state=False)
         return results
 
+    def export_model(self, c: int, state: GlobalState) -> tuple[torch.nn.Module, dict[str, Any]]:
+        """A CPU copy of client ``c``'s model as an evaluation against ``state`` scores it, with that
+        evaluation (MLflow model logging); a parked client is left as it was."""
+        import copy
+
+        try:
+            runner = self._runner(c)
+            result = runner.evaluate(state)
+            return copy.deepcopy(runner.model).cpu().eval(), result
+        finally:
+            self._release(c, keep_state=False)
+
     def state_dicts(self) -> dict[int, dict[str, Any]]:
         """Every client with a state (live, or parked); a never-trained parked client has none."""
         return {**self.parked, **{c: r.state_dict() for c, r in self.live.items()}}
