@@ -107,6 +107,9 @@ class TrainingConfig(_Section):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: Optional[float] = Field(None, gt=0, description="clip local gradients to this norm (none: no clipping, as the papers)")
+    keep_optimizer_state: bool = Field(
+        False, description="keep momentum / Adam state across local updates also when the broadcast carries weights "
+        "(default: such an update starts with a fresh optimizer state, as FedAvg/MOON reference code)")
 
 
 class FederationConfig(_Section):

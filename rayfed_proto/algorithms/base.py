@@ -140,6 +140,18 @@ class ClientAlgorithm:
         self.version = state.version
         self.guidance = state.prototypes
 
+    def fresh_optimizer(self, state: GlobalState) -> bool:
+        """Whether the local optimizer starts this update with no state (momentum, Adam moments).
+
+        Default: when the broadcast carries weights. They replace the model the state was
+        accumulated on, so the old momentum would replay the client's previous direction on the
+        new global model (about 1 / (1 - momentum) steps' worth); FedAvg, FedProx and MOON
+        reference code build a new optimizer every round (QinbinLi/MOON, main.py ``train_net``).
+        A method whose clients keep a personal model receives no weights and keeps its state.
+        ``training.keep_optimizer_state: true`` turns the reset off for every method.
+        """
+        return state.weights is not None
+
     # -- training ----------------------------------------------------------------------------
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Local objective on one mini-batch -> (loss, {term name: value})."""

@@ -125,6 +125,7 @@ class ClientRunner:
         """Local update against ``state``: returns (small metadata for the driver, the upload)."""
         t0 = time.perf_counter()
         self.algorithm.receive(state, self.model)
+        self._reset_optimizer_if_fresh(state)
         terms = self.algorithm.local_train(self.model, self.optimizer, self.batches, self.cfg.training.local_epochs, self.device)
         update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
         busy = time.perf_counter() - t0
@@ -132,6 +133,12 @@ class ClientRunner:
         meta = {"client_id": self.client_id, "base_version": state.version, "busy_s": busy,
                 "terms": terms, "upload_bytes": update.nbytes, "download_bytes": state.nbytes}
         return meta, update
+
+    def _reset_optimizer_if_fresh(self, state: GlobalState) -> None:
+        """Drop the optimizer's state (momentum buffers) when the algorithm says this update
+        starts afresh (a broadcast that replaced the weights), unless training.keep_optimizer_state."""
+        if not self.cfg.training.keep_optimizer_state and self.algorithm.fresh_optimizer(state):
+            self.optimizer.state.clear()  # as a new optimizer: same param groups, no per-parameter state
 
     @torch.no_grad()
     def evaluate(self, state: GlobalState, batch_size: int = 512) -> dict[str, Any]:
