@@ -19,6 +19,11 @@ def test_paper_presets_carry_the_papers_settings():
     assert (device.federation.num_clients, device.federation.participation) == (100, 0.1)
     for cfg in (silo, device):
         assert (cfg.data.name, cfg.model.group, cfg.data.partition.beta) == ("cifar100", "HtFE8", 0.1)
+    for name in ("fedsa_cross_silo", "fedsa_cross_device", "fedsa_digits"):  # the authors' scripts: -lam 10 -mcl 1 -cc 1
+        o = load_config(resolve_config_arg(name)).algorithm_options()
+        assert (o.lam, o.lambda2, o.lambda3, o.alignment_reduction) == (10.0, 1.0, 1.0, "mean"), name
+    printed = load_config(resolve_config_arg("fedsa_digits_printed")).algorithm_options()
+    assert (printed.lam, printed.lambda2, printed.lambda3) == (0.1, 1.0, 1.0)
     sap = load_config(resolve_config_arg("fedsap_cifar10"))
     opts = sap.algorithm_options()
     assert (opts.proxy_scale, opts.lam) == (32, 0.7)
