@@ -349,8 +349,8 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
 def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     """Fill the chosen algorithm's ``config_defaults`` (dotted keys outside ``algorithm.``, e.g.
     ``model.normalize_features`` for FedLSA) wherever the user left the key unset, so a method's
-    requirements are on by default yet stay overridable; unset ``Optional`` data holdouts fall
-    back to 0 here."""
+    requirements are on by default yet stay overridable, plus its ``async_config_defaults`` when
+    ``federation.mode`` is async (the default); unset ``Optional`` data holdouts fall back to 0 here."""
     from rayfed_proto.algorithms import ALGORITHMS
 
     algo = raw.get("algorithm")
@@ -358,6 +358,9 @@ def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     defaults: dict[str, Any] = {"data.global_test_fraction": 0.0, "data.public_size": 0}
     if isinstance(name, str) and name in ALGORITHMS:
         defaults.update(ALGORITHMS.get(name).config_defaults)
+        mode = _dig(raw, ("federation", "mode"))
+        if (FederationConfig().mode if mode is None else mode) == "async":
+            defaults.update(ALGORITHMS.get(name).async_config_defaults)
     for dotted, value in defaults.items():
         if _dig(raw, tuple(dotted.split("."))) is None:
             try:

@@ -239,6 +239,9 @@ class Algorithm:
     # Config values outside ``algorithm.*`` this method wants unless the user sets them
     # (dotted keys, e.g. {"model.normalize_features": True, "data.public_size": 2500}).
     config_defaults: ClassVar[dict[str, Any]] = {}
+    # Further defaults that apply only with federation.mode async (dotted keys, ``algorithm.*``
+    # included), on top of ``config_defaults``; a value the user sets always wins.
+    async_config_defaults: ClassVar[dict[str, Any]] = {}
 
 
 # ----------------------------------------------------------------------------- prototype methods
