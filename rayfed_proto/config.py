@@ -67,6 +67,9 @@ class PartitionConfig(_Section):
     clients_per_domain: Optional[list[int]] = Field(
         None, description="by_domain: clients given to each domain, in the dataset's domain order (None: spread evenly)")
     within_domain: str = Field("iid", description="by_domain: partitioner used inside each domain (label skew composes)")
+    unlabelled_per_client: int = Field(
+        0, ge=0, description="size |U| of each client's separate unlabelled pool: samples of its classes that no client "
+        "holds, labels hidden (FedSAP's semi-supervised regime, Table 3: 600); 0: none")
 
 
 class DataConfig(_Section):

@@ -140,6 +140,11 @@ class ClientAlgorithm:
         self.version = state.version
         self.guidance = state.prototypes
 
+    def set_unlabelled_pool(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The client's separate unlabelled pool (``data.partition.unlabelled_per_client``),
+        given once before training; ``y`` are the true labels, for diagnostics only. Default:
+        ignored (only semi-supervised methods use it)."""
+
     def fresh_optimizer(self, state: GlobalState) -> bool:
         """Whether the local optimizer starts this update with no state (momentum, Adam moments).
 

@@ -117,6 +117,8 @@ class ClientRunner:
         self.algorithm = algo.Client(cfg.algorithm_options(), spec, split.client_id)
         self.train_x, self.train_y = dataset.tensors(split.train_idx)
         self.test_x, self.test_y = dataset.tensors(split.test_idx)
+        if len(split.unlabelled_idx):  # data.partition.unlabelled_per_client: labels hidden from training
+            self.algorithm.set_unlabelled_pool(*dataset.tensors(split.unlabelled_idx))
         self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
                                           torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id))
         self.last_loss = float("nan")

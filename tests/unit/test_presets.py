@@ -29,3 +29,16 @@ def test_paper_presets_carry_the_papers_settings():
     assert (opts.proxy_scale, opts.lam) == (32, 0.7)
     assert (opts.alignment_schedule.start, opts.alignment_schedule.start + opts.alignment_schedule.length) == (20, 100)
     assert sap.data.partition.name == "nway_kshot" and sap.federation.num_clients == 20
+
+
+def test_semi_supervised_preset_gives_every_client_a_separate_unlabelled_pool():
+    # FedSAP Table 3's regime: k labelled shots per class plus a separate pool U_q of the client's classes
+    from rayfed_proto.data import load_dataset, make_partition
+
+    cfg = load_config(resolve_config_arg("fedsap_semi_digits"))
+    assert cfg.algorithm_options().semi_supervised is not None
+    p = make_partition(load_dataset(cfg.data, cfg.seed), cfg.data.partition, cfg.federation.num_clients, cfg.seed,
+                       cfg.data.test_fraction)
+    assert [len(c.unlabelled_idx) for c in p.clients] == [45] * cfg.federation.num_clients
+    for c in p.clients:
+        assert set(p.labels[c.unlabelled_idx]) == set(p.labels[c.train_idx])
