@@ -38,6 +38,15 @@ def method_overrides(method: str, rounds: int) -> list[str]:
     return []
 
 
+def method_label(method: str, args) -> str:
+    """The row name: the method, and the variant when a run departs from the equation as printed
+    (FedSC's L_CPDR averaged over the D dimensions instead of Eq. 15's sum)."""
+    reduction = [o.split("=", 1)[1] for o in run_overrides(method, 0, args) if o.startswith("algorithm.cpdr_reduction=")]
+    if method == "fedsc" and reduction and reduction[-1] == "mean":
+        return "fedsc (variant: L_CPDR / D)"
+    return method
+
+
 def run_overrides(method: str, seed: int, args) -> list[str]:
     cpd = "[" + ",".join(str(c) for c in args.clients_per_domain) + "]"
     return method_overrides(method, args.rounds) + [
@@ -69,7 +78,7 @@ def one_run(method: str, seed: int, args) -> dict:
     return row
 
 
-def tables(rows: list[dict], methods: list[str]) -> str:
+def tables(rows: list[dict], methods: list[str], args) -> str:
     def col(m, key):
         return [r[key] for r in rows if r["method"] == m]
 
@@ -78,7 +87,7 @@ def tables(rows: list[dict], methods: list[str]) -> str:
            "| best head | final proto |",
            "|---|---|---|---|---|---|---|"]
     for m in methods:
-        out.append(f"| {m} | {cell(col(m, 'final_global'))} | {cell(col(m, 'final_global_domain_mean'))} | "
+        out.append(f"| {method_label(m, args)} | {cell(col(m, 'final_global'))} | {cell(col(m, 'final_global_domain_mean'))} | "
                    f"{cell(col(m, 'best_global_domain_mean'))} | {cell(col(m, 'final_head'))} | "
                    f"{cell(col(m, 'best_head'))} | {cell(col(m, 'final_proto'))} |")
     out += ["", "Global model per domain, final evaluation (best in brackets), %:", "",
@@ -86,7 +95,7 @@ def tables(rows: list[dict], methods: list[str]) -> str:
     for m in methods:
         cells = [f"{cell(col(m, 'final_' + d))} ({cell(col(m, 'best_' + d)).split(' ±')[0]})"
                  if np.isfinite(np.array(col(m, 'final_' + d), float)).any() else "n/a" for d in DOMAINS]
-        out.append(f"| {m} | " + " | ".join(cells) + " |")
+        out.append(f"| {method_label(m, args)} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -115,7 +124,7 @@ def main() -> int:
     rows = run_all(args.cpus, jobs, one_run, lambda r: (
         f"seed {r['seed']} {r['method']:<8} global {r['final_global']:.3f} "
         f"domain mean {r['final_global_domain_mean']:.3f} head {r['final_head']:.3f}"))
-    md = tables(rows, args.methods)
+    md = tables(rows, args.methods, args)
     settings = (f"digits_domains ({', '.join(DOMAINS)}), {args.image_size}x{args.image_size}, by_domain "
                 f"{args.clients_per_domain} clients per domain, within each domain {args.within_domain}"
                 + (f" beta {args.beta}" if args.within_domain == "dirichlet" else "")

@@ -67,6 +67,9 @@ class PartitionConfig(_Section):
     clients_per_domain: Optional[list[int]] = Field(
         None, description="by_domain: clients given to each domain, in the dataset's domain order (None: spread evenly)")
     within_domain: str = Field("iid", description="by_domain: partitioner used inside each domain (label skew composes)")
+    unlabelled_per_client: int = Field(
+        0, ge=0, description="size |U| of each client's separate unlabelled pool: samples of its classes that no client "
+        "holds, labels hidden (FedSAP's semi-supervised regime, Table 3: 600); 0: none")
 
 
 class DataConfig(_Section):
@@ -107,6 +110,9 @@ class TrainingConfig(_Section):
     momentum: float = Field(0.0, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: Optional[float] = Field(None, gt=0, description="clip local gradients to this norm (none: no clipping, as the papers)")
+    keep_optimizer_state: bool = Field(
+        False, description="keep momentum / Adam state across local updates also when the broadcast carries weights "
+        "(default: such an update starts with a fresh optimizer state, as FedAvg/MOON reference code)")
 
 
 class FederationConfig(_Section):
@@ -376,8 +382,8 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
 def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     """Fill the chosen algorithm's ``config_defaults`` (dotted keys outside ``algorithm.``, e.g.
     ``model.normalize_features`` for FedLSA) wherever the user left the key unset, so a method's
-    requirements are on by default yet stay overridable; unset ``Optional`` data holdouts fall
-    back to 0 here."""
+    requirements are on by default yet stay overridable, plus its ``async_config_defaults`` when
+    ``federation.mode`` is async (the default); unset ``Optional`` data holdouts fall back to 0 here."""
     from rayfed_proto.algorithms import ALGORITHMS
 
     algo = raw.get("algorithm")
@@ -385,6 +391,9 @@ def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     defaults: dict[str, Any] = {"data.global_test_fraction": 0.0, "data.public_size": 0}
     if isinstance(name, str) and name in ALGORITHMS:
         defaults.update(ALGORITHMS.get(name).config_defaults)
+        mode = _dig(raw, ("federation", "mode"))
+        if (FederationConfig().mode if mode is None else mode) == "async":
+            defaults.update(ALGORITHMS.get(name).async_config_defaults)
     for dotted, value in defaults.items():
         if _dig(raw, tuple(dotted.split("."))) is None:
             try:

@@ -204,6 +204,23 @@ class ClientAlgorithm:
         self.version = state.version
         self.guidance = state.prototypes
 
+    def set_unlabelled_pool(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The client's separate unlabelled pool (``data.partition.unlabelled_per_client``),
+        given once before training; ``y`` are the true labels, for diagnostics only. Default:
+        ignored (only semi-supervised methods use it)."""
+
+    def fresh_optimizer(self, state: GlobalState) -> bool:
+        """Whether the local optimizer starts this update with no state (momentum, Adam moments).
+
+        Default: when the broadcast carries weights. They replace the model the state was
+        accumulated on, so the old momentum would replay the client's previous direction on the
+        new global model (about 1 / (1 - momentum) steps' worth); FedAvg, FedProx and MOON
+        reference code build a new optimizer every round (QinbinLi/MOON, main.py ``train_net``).
+        A method whose clients keep a personal model receives no weights and keeps its state.
+        ``training.keep_optimizer_state: true`` turns the reset off for every method.
+        """
+        return state.weights is not None
+
     # -- training ----------------------------------------------------------------------------
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
         """Local objective on one mini-batch -> (loss, {term name: value})."""
@@ -306,6 +323,9 @@ class Algorithm:
     # Config values outside ``algorithm.*`` this method wants unless the user sets them
     # (dotted keys, e.g. {"model.normalize_features": True, "data.public_size": 2500}).
     config_defaults: ClassVar[dict[str, Any]] = {}
+    # Further defaults that apply only with federation.mode async (dotted keys, ``algorithm.*``
+    # included), on top of ``config_defaults``; a value the user sets always wins.
+    async_config_defaults: ClassVar[dict[str, Any]] = {}
 
 
 # ----------------------------------------------------------------------------- prototype methods

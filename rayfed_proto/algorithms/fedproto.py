@@ -1,7 +1,10 @@
 """FedProto (Tan et al. AAAI 2022), as restated in FedSA Eq. 2-4.
 
 Client: CE(h(f(x)), y) + lambda * ||f(x) - P^y||^2 over samples whose class has a global
-prototype (FedSA Eq. 4). Server: per-class weighted mean of uploaded prototypes (FedSA Eq. 3).
+prototype (FedSA Eq. 4). Server: per-class plain mean of the uploaded prototypes over the clients
+holding the class (``aggregation: uniform``, default), as the reference server does
+(``TsingZ0/HtFLlib``, ``system/flcore/servers/serverproto.py``, ``proto_aggregation``, from
+``yuetan031/fedproto`` ``lib/utils.py``); ``weighted`` is the sample-weighted mean (FedSA Eq. 3).
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from rayfed_proto.algorithms.common import alignment_loss, bank_tensors
 
 class FedProtoOptions(PrototypeOptions):
     lam: float = Field(1.0, ge=0, description="alignment weight lambda (FedTGP's scripts use 10)")
+    aggregation: Literal["weighted", "uniform"] = Field(
+        "uniform", description="per-class mean of uploads: plain mean over clients (FedProto reference server, "
+        "default) or sample-weighted (FedSA Eq. 3)")
     # FedProto's reference client (HtFLlib clientproto.py) collects the prototypes from the
     # train-mode forward passes of the local epoch; no eval-mode pass after training
     prototype_source: Literal["train", "eval"] = Field("train", description="uploaded prototypes: training passes "

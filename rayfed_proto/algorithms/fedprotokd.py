@@ -14,7 +14,9 @@ Client (Algorithm 1, Sec. III-A and III-F), one local update against server vers
   2. Private epochs: CE only at version 0 (Eq. 2); afterwards CE + epsilon MSE(f(x), P~^y)
      (Eq. 15), over the samples whose class has a generated prototype.
   3. Upload: local prototypes (Eq. 1; ``common.local_prototypes``) and the logits on D_p,
-     ``extras["public_logits"]`` (P, C) float32, eval mode.
+     ``extras["public_logits"]`` (P, C) float32, eval mode. The per-class sample counts are
+     sent only with ``prototype_mean: weighted``, which uses them; by default (uniform class
+     centres, the paper's count-free aggregation) every count is 1.
 
 Server, one aggregation (Algorithm 1):
   1. Logits: L^(x_i) = sum_k s_k var_k(x_i) F_k(x_i) / sum_j s_j var_j(x_i) (Eq. 7), var_k(x_i)
@@ -335,9 +337,13 @@ class FedProtoKDClient(ClientAlgorithm):
     def make_update(self, model, x, y) -> ClientUpdate:
         device = next(model.parameters()).device
         _, logits = eval_outputs(model, self.public_x, device)
+        protos = local_prototypes(model, x, y)  # FedProtoKD Eq. 1
+        if self.options.prototype_mean == "uniform":
+            # count-free aggregation (the paper's privacy property): the per-class counts are unused,
+            # so none are sent; the message format needs one positive count per class: all 1
+            protos = PrototypeSet(protos.class_ids, protos.vectors, np.ones(len(protos.class_ids), np.int64))
         return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y),
-                            prototypes=local_prototypes(model, x, y),  # FedProtoKD Eq. 1
-                            extras={PUBLIC_LOGITS: logits.cpu().numpy().astype(np.float32)})
+                            prototypes=protos, extras={PUBLIC_LOGITS: logits.cpu().numpy().astype(np.float32)})
 
 
 # ----------------------------------------------------------------------------- server

@@ -18,7 +18,17 @@ Client loss, Eq. 9: CE + lambda1_t L_R + lambda2 L_MCL + lambda3 L_CC with
     holds fewer than two classes);
   - L_CC (Eq. 8): CE(h(A), [0..C-1]) with the anchors detached: only the head moves.
 lambda1_t = ``lam`` scaled by the shared ``alignment_schedule`` (it is the alignment term);
-lambda2 and lambda3 are constant. Ablation (Table 4): a term is off when its weight is 0 (it is
+lambda2 and lambda3 are constant. Defaults: the authors' run scripts (``lokinko/FedSA``,
+``system/cross-device setting.sh``: ``-lam 10 -mcl 1.0 -cc 1.0``, L_R as ``nn.MSELoss``, i.e.
+``alignment_reduction: mean``), which produced the paper's tables; the paper's printed values
+(lambda1 0.1, lambda2 0.01 for statistical / 1 for model heterogeneity) are the preset
+``fedsa_digits_printed`` and ``lam: 0.1, lambda2: 0.01``.
+
+Prototype inference (``inference_bank: prototypes``, default): the nearest of the server's
+aggregated client prototypes P^c (Eq. 3, kept beside the anchors, a class nobody uploaded keeping
+its last vector), as the authors' ``clientsa.test_metrics`` scores against the server's
+``global_protos``; broadcast in ``extras`` as ``client_prototype_ids`` (m,) and
+``client_prototype_vectors`` (m, D). ``inference_bank: anchors`` scores against the anchors. Ablation (Table 4): a term is off when its weight is 0 (it is
 then still computed without gradient, for the logs); ER off with
 ``use_embedding_projection=False`` (raw N(0, 1) anchors); EMA off with ``use_ema=False``.
 """
@@ -34,26 +44,39 @@ from pydantic import Field
 
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import Algorithm, ClientAlgorithm, PrototypeOptions, PrototypeServer
-from rayfed_proto.algorithms.common import aggregate_prototypes, alignment_loss, bank_tensors, safe_cdist
+from rayfed_proto.algorithms.common import (
+    PrototypeBank,
+    aggregate_prototypes,
+    alignment_loss,
+    bank_tensors,
+    safe_cdist,
+)
 from rayfed_proto.messages import GlobalState, PrototypeSet
 
 MarginStatistic = Literal["mean_pairwise", "mean_nearest"]
+# broadcast extras: the server's aggregated client prototypes (the prototype inference bank)
+PROTO_IDS, PROTO_VECTORS = "client_prototype_ids", "client_prototype_vectors"
 
 
 class FedSAOptions(PrototypeOptions):
-    lam: float = Field(0.1, ge=0, description="lambda1: weight of L_R (Eq. 9; paper 0.1); scaled by alignment_schedule")
+    lam: float = Field(10.0, ge=0, description="lambda1: weight of L_R (Eq. 9; authors' scripts -lam 10 with nn.MSELoss; "
+                       "paper text 0.1); scaled by alignment_schedule")
+    lambda2: float = Field(1.0, ge=0, description="weight of L_MCL (Eq. 9; authors' scripts -mcl 1.0; paper text 0.01 "
+                           "statistical, 1 model heterogeneity); 0 turns it off")
+    lambda3: float = Field(1.0, ge=0, description="weight of L_CC (Eq. 9; authors' scripts -cc 1.0, paper 1); 0 turns it off")
     # FedSA's reference client (lokinko/FedSA clientsa.py, as FedProto's) collects the uploaded
     # prototypes from the train-mode forward passes of the local epoch
     prototype_source: Literal["train", "eval"] = Field("train", description="uploaded prototypes: training passes "
                                                        "(reference code, default) or an eval-mode pass after training")
-    lambda2: float = Field(0.01, ge=0, description="weight of L_MCL (Eq. 9): 0.01 statistical, 1 model heterogeneity; 0 turns it off")
-    lambda3: float = Field(1.0, ge=0, description="weight of L_CC (Eq. 9; paper 1); 0 turns it off")
     alpha: float = Field(0.9999, ge=0, le=1, description="EMA decay of the anchors (Eq. 10); 1 freezes them, 0 replaces them")
     use_ema: bool = Field(True, description="EMA update of the anchors (Eq. 10); off: anchors stay at their initial values")
     use_embedding_projection: bool = Field(
         True, description="project the random anchors once through Linear-BN-ReLU x2 (ER, Table 4)")
     margin_statistic: MarginStatistic = Field(
         "mean_pairwise", description="Eq. 6: mean pairwise distance (as printed) or mean nearest-other-class distance (authors' code)")
+    inference_bank: Literal["prototypes", "anchors"] = Field(
+        "prototypes", description="nearest-prototype inference against the server's aggregated client prototypes "
+        "(authors' test_metrics) or against the anchors")
 
 
 # ----------------------------------------------------------------------------- the equations
@@ -175,6 +198,8 @@ class FedSAServer(PrototypeServer):
         super().__init__(options, spec, device)
         anchors = initial_anchors(spec.num_classes, spec.feature_dim, spec.seed, options.use_embedding_projection)
         self.bank.update({c: (anchors[c], 1.0) for c in range(spec.num_classes)}, 0)
+        # aggregated client prototypes P^c (Eq. 3), the authors' ``global_protos``: inference bank
+        self.prototypes = PrototypeBank(spec.num_classes, spec.feature_dim)
 
     @property
     def anchors(self) -> np.ndarray:
@@ -185,6 +210,7 @@ class FedSAServer(PrototypeServer):
         if not sets:
             return {}
         means = aggregate_prototypes(sets, ws, self.options.aggregation)  # FedSA Eq. 3: P^c, staleness-weighted
+        self.prototypes.update(means, version)  # authors' serversa.receive_protos: global_protos
         if not self.options.use_ema:
             return {"anchor_shift": 0.0, "anchor_classes_updated": 0.0}
         before = self.bank.vectors.copy()
@@ -194,7 +220,19 @@ class FedSAServer(PrototypeServer):
         return {"anchor_shift": float(shift.mean()), "anchor_classes_updated": float(len(means))}
 
     def broadcast(self, version: int) -> GlobalState:
-        return GlobalState(version=version, prototypes=self.bank.as_set())
+        protos = self.prototypes.as_set()
+        return GlobalState(version=version, prototypes=self.bank.as_set(),
+                           extras={PROTO_IDS: protos.class_ids, PROTO_VECTORS: protos.vectors})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "prototypes": self.prototypes.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "prototypes" in state:  # checkpoints written before the bank existed start it empty
+            self.prototypes.load_state_dict(state["prototypes"])
+        else:
+            self.prototypes = PrototypeBank(self.spec.num_classes, self.spec.feature_dim)
 
 
 class FedSAClient(ClientAlgorithm):
@@ -206,10 +244,19 @@ class FedSAClient(ClientAlgorithm):
         super().__init__(options, spec, client_id)
         self.local: Optional[PrototypeSet] = None  # last uploaded local prototypes (d_local)
         self._margin: Optional[float] = None
+        self.client_prototypes: Optional[PrototypeSet] = None  # the server's aggregated P^c
 
     def receive(self, state: GlobalState, model: torch.nn.Module) -> None:
         super().receive(state, model)
         self._margin = None
+        ids, vecs = state.extras.get(PROTO_IDS), state.extras.get(PROTO_VECTORS)
+        self.client_prototypes = None if ids is None or vecs is None or not len(ids) else PrototypeSet(
+            np.array(ids, np.int64), np.array(vecs, np.float32), np.ones(len(ids), np.int64))
+
+    def inference_bank(self) -> Optional[PrototypeSet]:
+        """The aggregated client prototypes (authors' ``clientsa.test_metrics``: nearest of the
+        server's ``global_protos``; None before any upload was aggregated) or the anchors."""
+        return self.guidance if self.options.inference_bank == "anchors" else self.client_prototypes
 
     def margin(self) -> float:
         """m = max(d_global, d_local) for the current anchors and last upload (cached)."""

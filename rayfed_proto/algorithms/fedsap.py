@@ -17,8 +17,12 @@ Ablations from config (Table 4): ``use_proxy: false`` drops L_Proxy; ``alignment
 makes lambda_t the constant M.
 
 Semi-supervised extension (Sec. 3.6, Eq. 10-14), ``semi_supervised: {...}`` (off by default;
-off, nothing above changes). Everything happens inside the client; the runtime is unchanged:
-- Split: once, each client hides the labels of ``unlabelled_fraction`` of its training split,
+off, nothing above changes). Everything happens inside the client:
+- Pool (the paper's regime, Table 3): with ``data.partition.unlabelled_per_client`` the
+  partition gives each client a separate pool of its classes, handed over once by the runtime
+  (``set_unlabelled_pool``); the whole training split is then labelled and the pool is the
+  unlabelled data below (``unlabelled_fraction`` unused).
+- Split (without a pool): once, each client hides the labels of ``unlabelled_fraction`` of its training split,
   per class (stratified, at least one labelled sample kept per class: the unlabelled pool holds
   known classes only, the paper's closed-set assumption), seeded by (spec.seed, client_id). The
   mask lives in the client state. Hidden labels are only read to report ``pseudo_accuracy``.
@@ -313,6 +317,14 @@ class FedSAPClient(ClientAlgorithm):
         self.thresholds: Optional[tuple[float, float]] = None  # (M, D_max), Eq. 11
         self.accepted_idx = np.zeros(0, dtype=np.int64)  # accepted during the last update (split positions)
         self.accepted_label = np.zeros(0, dtype=np.int64)  # their pseudo-labels
+        self.pool_x: Optional[torch.Tensor] = None  # the partition's unlabelled pool, when it has one
+        self.pool_y: Optional[torch.Tensor] = None  # its true labels: read only for pseudo_accuracy
+
+    def set_unlabelled_pool(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The client's separate unlabelled pool (``data.partition.unlabelled_per_client``, the
+        paper's U_q, Table 3: |U| = 600): with it, the whole training split is labelled and the
+        pool is the unlabelled data; without it, ``unlabelled_fraction`` of the split is hidden."""
+        self.pool_x, self.pool_y = x, y
 
     def loss(self, model, x, y):
         feats, logits = model.forward_features(x)
@@ -328,6 +340,15 @@ class FedSAPClient(ClientAlgorithm):
         return total, {"ce": ce.item(), "proto": proto.item(), "proxy": proxy.item()}
 
     # -- semi-supervised ---------------------------------------------------------------------------
+    def _sources(self, x: torch.Tensor, y: torch.Tensor):
+        """(labelled positions in the split, unlabelled tensors ux and their hidden labels uy,
+        unlabelled positions in ux): the separate pool when there is one, else the split's hidden part."""
+        if self.pool_x is not None and len(self.pool_y):
+            return torch.arange(len(y)), self.pool_x, self.pool_y, torch.arange(len(self.pool_y))
+        self._ensure_split(y)
+        hidden = torch.from_numpy(self.unlabelled)
+        return torch.nonzero(~hidden).squeeze(1), x, y, torch.nonzero(hidden).squeeze(1)
+
     def _ensure_split(self, y: torch.Tensor) -> None:
         if self.unlabelled is None or len(self.unlabelled) != len(y):
             semi = self.options.semi_supervised
@@ -349,10 +370,7 @@ class FedSAPClient(ClientAlgorithm):
         semi = self.options.semi_supervised
         if semi is None:
             return super().local_train(model, optimizer, batches, epochs, device)
-        self._ensure_split(batches.y)
-        hidden = torch.from_numpy(self.unlabelled)
-        lab = torch.nonzero(~hidden).squeeze(1)
-        unl = torch.nonzero(hidden).squeeze(1)
+        lab, ux, uy, unl = self._sources(batches.x, batches.y)
         gen = batches.generator
         labelled = TrainBatchIterator(batches.x[lab], batches.y[lab], batches.batch_size, gen)
         bank, bank_mask = bank_tensors(self.guidance, self.spec.num_classes, device)
@@ -383,7 +401,7 @@ class FedSAPClient(ClientAlgorithm):
                         order, cursor = unl[torch.randperm(len(unl), generator=gen)], 0
                     idx = order[cursor : cursor + unl_size]
                     cursor += len(idx)
-                    xu = batches.x[idx]
+                    xu = ux[idx]
                     weak = weak_view(xu, semi, gen).to(device)
                     strong = strong_view(xu, semi, gen).to(device)
                     was_training = model.training
@@ -397,7 +415,7 @@ class FedSAPClient(ClientAlgorithm):
                     else:
                         cons = loss.new_zeros(())
                     loss = loss + semi.consistency_weight * cons  # Eq. 13
-                    hidden_y = batches.y[idx].to(device)
+                    hidden_y = uy[idx].to(device)
                     candidates += len(idx)
                     accepted += int(ok.sum())
                     correct += int((pseudo[ok] == hidden_y[ok]).sum())
@@ -422,12 +440,11 @@ class FedSAPClient(ClientAlgorithm):
         semi = self.options.semi_supervised
         if semi is None:
             return super().make_update(model, x, y)
-        self._ensure_split(y)
-        lab = torch.nonzero(~torch.from_numpy(self.unlabelled)).squeeze(1)
+        lab, ux, _, _ = self._sources(x, y)
         device = next(model.parameters()).device
         acc = torch.from_numpy(self.accepted_idx) if self.in_semi_phase() else torch.zeros(0, dtype=torch.long)
         lab_feats = eval_features(model, x[lab], device)
-        acc_feats = eval_features(model, x[acc], device) if len(acc) else torch.zeros(0, lab_feats.shape[1])
+        acc_feats = eval_features(model, ux[acc], device) if len(acc) else torch.zeros(0, lab_feats.shape[1])
         acc_y = torch.from_numpy(self.accepted_label) if len(acc) else torch.zeros(0, dtype=torch.long)
         protos = mixed_prototypes(lab_feats, y[lab].cpu(), acc_feats, acc_y, semi.alpha,
                                   normalize=semi.normalize_prototypes and self.in_semi_phase())  # Eq. 14

@@ -7,6 +7,13 @@ delta = min(max_c min_{c' != c} d(P^c, P^c'), tau), and trains G for ``server_ep
 uploaded (p, c) pairs with the margin-enhanced contrastive loss
     CE over c' of logits -(d(p, G(c')) + delta * [c' = c]).
 It broadcasts G(c) for every class that has ever been uploaded. Clients use FedProto's loss.
+
+Asynchronous mode (this platform's): ``aggregation_scope`` defaults to ``latest`` when
+``federation.mode`` is async (``async_config_defaults``): the generator trains on every client's
+latest upload, each staleness-weighted, and the margin is taken over all the classes they
+hold, instead of ``server_epochs`` epochs on the K updates of one buffer and a margin over
+their classes only. In sync mode the default stays ``buffer`` (FedTGP's round: the uploads of
+the sampled clients); with full participation both are the same.
 """
 
 from __future__ import annotations
@@ -150,3 +157,4 @@ class FedTGP(Algorithm):
     Options = FedTGPOptions
     Client = PrototypeAlignmentClient
     Server = FedTGPServer
+    async_config_defaults = {"algorithm.aggregation_scope": "latest"}

@@ -34,6 +34,7 @@ from rayfed_proto.data import PARTITIONERS
 from rayfed_proto.data.base import ArrayDataset
 
 _SPLITS = ("train", "test")
+_UNLABELLED = "unlabelled"  # a client's separate unlabelled pool (data.partition.unlabelled_per_client)
 # holdout rows of the Parquet file: client_id -1 and one of these splits
 HOLDOUT_CLIENT_ID = -1
 _HOLDOUTS = ("global_test", "public")
@@ -45,17 +46,24 @@ def _empty_index() -> np.ndarray:
 
 @dataclass(eq=False)
 class ClientSplit:
-    """One client's samples: int64 indices into the dataset."""
+    """One client's samples: int64 indices into the dataset. ``unlabelled_idx``: its separate
+    unlabelled pool (``data.partition.unlabelled_per_client``; empty by default), samples of its
+    classes that no client trains or tests on, whose labels training never reads."""
 
     client_id: int
     train_idx: np.ndarray
     test_idx: np.ndarray
+    unlabelled_idx: np.ndarray = field(default_factory=_empty_index)
+
+    def __post_init__(self) -> None:
+        self.unlabelled_idx = np.asarray(self.unlabelled_idx, dtype=np.int64)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, ClientSplit):
             return NotImplemented
         return (self.client_id == other.client_id and np.array_equal(self.train_idx, other.train_idx)
-                and np.array_equal(self.test_idx, other.test_idx))
+                and np.array_equal(self.test_idx, other.test_idx)
+                and np.array_equal(self.unlabelled_idx, other.unlabelled_idx))
 
 
 @dataclass(eq=False)
@@ -121,10 +129,11 @@ class Partition:
 
         Holdout samples follow the clients' rows, with client_id -1 and split ``global_test``
         or ``public`` (their label is the dataset's, although the public set is used unlabelled).
+        A client's unlabelled pool has split ``unlabelled`` (true labels, likewise).
         """
         client_ids, indices, splits = [], [], []
         groups = [(c.client_id, split, idx) for c in self.clients
-                  for split, idx in zip(_SPLITS, (c.train_idx, c.test_idx), strict=True)]
+                  for split, idx in zip(_SPLITS + (_UNLABELLED,), (c.train_idx, c.test_idx, c.unlabelled_idx), strict=True)]
         groups += [(HOLDOUT_CLIENT_ID, split, idx)
                    for split, idx in zip(_HOLDOUTS, (self.global_test_idx, self.public_idx), strict=True)]
         for client_id, split, idx in groups:
@@ -166,7 +175,8 @@ class Partition:
         split = np.asarray(table.column("split").to_pylist(), dtype=object)
         labels = np.full(int(meta["num_samples"]), -1, dtype=np.int64)
         labels[index] = table.column("label").to_numpy()
-        clients = [ClientSplit(i, index[(client_id == i) & (split == "train")], index[(client_id == i) & (split == "test")])
+        clients = [ClientSplit(i, index[(client_id == i) & (split == "train")], index[(client_id == i) & (split == "test")],
+                               index[(client_id == i) & (split == _UNLABELLED)])
                    for i in range(int(meta["num_clients"]))]
         holdout = client_id == HOLDOUT_CLIENT_ID
         return cls(clients=clients, num_classes=int(meta["num_classes"]), partitioner=meta["partitioner"],
@@ -518,6 +528,35 @@ def _stratified_split(idx: np.ndarray, labels: np.ndarray, test_fraction: float,
             np.sort(np.concatenate(test)) if test else np.empty(0, dtype=np.int64))
 
 
+def _unlabelled_pools(clients: list[ClientSplit], candidates: np.ndarray, labels: np.ndarray, size: int,
+                      rng: np.random.Generator) -> list[np.ndarray]:
+    """Each client's unlabelled pool: ``size`` samples of the classes of its training split, drawn
+    from ``candidates`` (samples no client holds) without replacement across clients, spread
+    evenly over its classes (round robin over them, in a random order). A client gets fewer when
+    its classes run out (a warning names them)."""
+    cand_labels = labels[candidates]
+    free = {int(c): list(rng.permutation(candidates[cand_labels == c])) for c in np.unique(cand_labels)}
+    pools, short = [], []
+    for client in clients:
+        classes = [int(c) for c in rng.permutation(np.unique(labels[client.train_idx]))]
+        chosen: list[int] = []
+        while len(chosen) < size:
+            before = len(chosen)
+            for c in classes:
+                if len(chosen) < size and free.get(c):
+                    chosen.append(int(free[c].pop()))
+            if len(chosen) == before:
+                break
+        if len(chosen) < size:
+            short.append((client.client_id, len(chosen)))
+        pools.append(np.sort(np.array(chosen, dtype=np.int64)))
+    if short:
+        warnings.warn(f"data.partition.unlabelled_per_client = {size}: the samples no client holds ran out for "
+                      f"clients (id, pool size) {short}; use a partitioner that leaves samples unused (nway_kshot) "
+                      f"with a smaller k_shot or fewer clients", stacklevel=3)
+    return pools
+
+
 def _client_domains(dataset: ArrayDataset, clients: list[ClientSplit]) -> Optional[list[int]]:
     if dataset.domains is None:
         return None
@@ -541,7 +580,9 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
     tail (see :func:`long_tail_counts`; the dropped samples are unused, the global test set is
     untouched); (d) the partitioner deals the pool out. Each client's share is then split
     stratified by class with ``test_fraction`` per class, unless the dataset has an
-    ``is_train`` column, which then decides train vs test. Deterministic in ``seed``; with the
+    ``is_train`` column, which then decides train vs test. (e) With
+    ``cfg.unlabelled_per_client`` each client also gets a separate unlabelled pool of its
+    classes from the samples nobody holds (:func:`_unlabelled_pools`). Deterministic in ``seed``; with the
     defaults (no holdout) the result is exactly that of the partitioner on the whole dataset.
     """
     if num_clients < 1:
@@ -570,6 +611,13 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
         else:
             train, test = _stratified_split(idx, dataset.labels, test_fraction, rng)
         clients.append(ClientSplit(client_id, train, test))
+    if cfg.unlabelled_per_client:
+        everyone = np.arange(len(dataset), dtype=np.int64) if pool is None else pool
+        held = np.concatenate([np.concatenate([c.train_idx, c.test_idx]) for c in clients])
+        pools = _unlabelled_pools(clients, np.setdiff1d(everyone, held), dataset.labels, cfg.unlabelled_per_client,
+                                  np.random.default_rng([seed, 4]))  # own stream: the rest is unchanged
+        for client, idx in zip(clients, pools, strict=True):
+            client.unlabelled_idx = idx
     return Partition(clients=clients, num_classes=dataset.num_classes, partitioner=cfg.name, seed=seed,
                      labels=dataset.labels, global_test_idx=global_test, public_idx=public,
                      client_domains=_client_domains(dataset, clients),

@@ -117,6 +117,8 @@ class ClientRunner:
         self.algorithm = algo.Client(cfg.algorithm_options(), spec, split.client_id)
         self.train_x, self.train_y = dataset.tensors(split.train_idx)
         self.test_x, self.test_y = dataset.tensors(split.test_idx)
+        if len(split.unlabelled_idx):  # data.partition.unlabelled_per_client: labels hidden from training
+            self.algorithm.set_unlabelled_pool(*dataset.tensors(split.unlabelled_idx))
         self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
                                           torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id))
         self.last_loss = float("nan")
@@ -146,6 +148,7 @@ class ClientRunner:
         outer = self._swap_rng()
         try:
             self.algorithm.receive(state, self.model)
+            self._reset_optimizer_if_fresh(state)
             terms = self.algorithm.local_train(self.model, self.optimizer, self.batches, self.cfg.training.local_epochs,
                                                self.device)
             update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
@@ -156,6 +159,12 @@ class ClientRunner:
         meta = {"client_id": self.client_id, "base_version": state.version, "busy_s": busy,
                 "terms": terms, "upload_bytes": update.nbytes, "download_bytes": state.nbytes}
         return meta, update
+
+    def _reset_optimizer_if_fresh(self, state: GlobalState) -> None:
+        """Drop the optimizer's state (momentum buffers) when the algorithm says this update
+        starts afresh (a broadcast that replaced the weights), unless training.keep_optimizer_state."""
+        if not self.cfg.training.keep_optimizer_state and self.algorithm.fresh_optimizer(state):
+            self.optimizer.state.clear()  # as a new optimizer: same param groups, no per-parameter state
 
     @torch.no_grad()
     def evaluate(self, state: GlobalState, batch_size: int = 512) -> dict[str, Any]:

@@ -121,9 +121,21 @@ def test_fedproto_client_loss_by_hand():
     assert loss.item() == pytest.approx(math.log(3) + 2.0 * 5.0)
 
 
+def test_fedproto_server_default_is_the_reference_plain_mean_over_clients():
+    # HtFLlib serverproto.proto_aggregation: sum of the clients' prototypes / number of clients
+    algo = ALGORITHMS.get("fedproto")
+    assert algo.Options().aggregation == "uniform"
+    server = algo.Server(algo.Options(), SPEC, torch.device("cpu"))
+    u1 = ClientUpdate(0, 0, 4, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 3]))
+    u2 = ClientUpdate(1, 0, 3, prototypes=pset([0], [[3, 0]], [3]))
+    server.aggregate([u1, u2], [1.0, 1.0], version=1)
+    # class 0: ([1, 0] + [3, 0]) / 2 = [2, 0], whatever the counts (1 and 3; weighted: [2.5, 0])
+    np.testing.assert_allclose(server.broadcast(1).prototypes.vectors, [[2.0, 0.0], [0.0, 1.0]], rtol=1e-6)
+
+
 def test_fedproto_server_partial_participation_and_staleness():
     algo = ALGORITHMS.get("fedproto")
-    server = algo.Server(algo.Options(), SPEC, torch.device("cpu"))
+    server = algo.Server(algo.Options(aggregation="weighted"), SPEC, torch.device("cpu"))
     u1 = ClientUpdate(0, 0, 4, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 3]))
     u2 = ClientUpdate(1, 0, 3, prototypes=pset([0], [[3, 0]], [3]))
     server.aggregate([u1, u2], [1.0, 0.5], version=1)

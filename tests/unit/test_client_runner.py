@@ -71,3 +71,65 @@ def test_silhouette_of_a_diverged_model_is_none_not_a_crash():
 
     feats = torch.tensor([[0.0, 0.0], [float("nan"), 0.0], [10.0, 0.0], [10.5, 0.0]])
     assert embedding_silhouette(feats, torch.tensor([0, 0, 1, 1])) is None
+
+
+def _momentum_runner(algorithm: str, *extra: str) -> tuple:
+    cfg = build_config({}, [f"algorithm.name={algorithm}", "federation.num_clients=2", "model.group=HtFE1",
+                            "model.feature_dim=8", "data.partition.beta=1.0", "data.image_size=16",
+                            "data.num_samples=200", "data.name=synthetic", "training.momentum=0.9", *extra])
+    ds = load_dataset(cfg.data, cfg.seed)
+    part = make_partition(ds, cfg.data.partition, 2, cfg.seed, cfg.data.test_fraction)
+    runner = ClientRunner(cfg, part.clients[0], ds, torch.device("cpu"))
+    seen = []  # momentum buffers present when each local update starts
+    inner = runner.algorithm.local_train
+
+    def recording(model, optimizer, *args, **kwargs):
+        seen.append({id(p): optimizer.state[p]["momentum_buffer"].clone()
+                     for p in model.parameters() if "momentum_buffer" in optimizer.state.get(p, {})})
+        return inner(model, optimizer, *args, **kwargs)
+
+    runner.algorithm.local_train = recording
+    return runner, seen
+
+
+def test_a_broadcast_with_weights_starts_the_update_with_a_fresh_optimizer():
+    runner, seen = _momentum_runner("fedavg")
+    _, first = runner.train(GlobalState(version=0, weights=None))
+    ends = {id(p): runner.optimizer.state[p]["momentum_buffer"].clone() for p in runner.model.parameters()}
+    assert seen[0] == {} and all(float(b.abs().sum()) > 0 for b in ends.values())
+    runner.train(GlobalState(version=1, weights=first.weights))  # weights replace the model: momentum dropped
+    assert seen[1] == {}
+    runner.train(GlobalState(version=2))  # no weights (the client keeps its model): momentum kept as it ended
+    assert set(seen[2]) == {id(p) for p in runner.model.parameters()}
+
+
+def test_momentum_survives_without_weights_and_with_keep_optimizer_state():
+    # a personal-model method (FedProto) never receives weights: its momentum carries over
+    runner, seen = _momentum_runner("fedproto")
+    runner.train(GlobalState(version=0))
+    ends = {id(p): runner.optimizer.state[p]["momentum_buffer"].clone() for p in runner.model.parameters()}
+    runner.train(GlobalState(version=1))
+    assert set(seen[1]) == set(ends) and all(torch.equal(seen[1][k], ends[k]) for k in ends)
+    # FedAvg with the option: the old momentum is kept although the weights are replaced
+    runner, seen = _momentum_runner("fedavg", "training.keep_optimizer_state=true")
+    _, first = runner.train(GlobalState(version=0))
+    ends = {id(p): runner.optimizer.state[p]["momentum_buffer"].clone() for p in runner.model.parameters()}
+    runner.train(GlobalState(version=1, weights=first.weights))
+    assert set(seen[1]) == set(ends) and all(torch.equal(seen[1][k], ends[k]) for k in ends)
+
+
+def test_after_the_reset_the_first_step_is_a_plain_gradient_step():
+    # SGD momentum 0.9, lr 0.01: with a fresh state the first step is p - lr * g exactly (buffer = g)
+    runner, _ = _momentum_runner("fedavg", "training.batch_size=1000")  # one batch per epoch: one step
+    _, first = runner.train(GlobalState(version=0))
+    start = {k: torch.tensor(v) for k, v in first.weights.items()}
+    runner.model.load_state_dict(start)
+    runner.model.zero_grad()
+    xb, yb = runner.train_x, runner.train_y
+    loss, _ = runner.algorithm.loss(runner.model, xb, yb)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in runner.model.named_parameters()}
+    runner.model.load_state_dict(start)  # the same forward pass again inside train()
+    _, second = runner.train(GlobalState(version=1, weights=first.weights))
+    for n, g in grads.items():
+        np.testing.assert_allclose(second.weights[n], (start[n] - 0.01 * g).numpy(), rtol=1e-4, atol=1e-6)

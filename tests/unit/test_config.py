@@ -96,7 +96,7 @@ def test_flat_params_cover_the_whole_config():
     assert flat["federation.mode"] == "async" and flat["data.partition.beta"] == 0.1
     assert flat["algorithm.name"] == "fedproto"
     # the algorithm's defaults are resolved into the config, so MLflow records them too
-    assert flat["algorithm.lam"] == 1.0 and flat["algorithm.aggregation"] == "weighted"
+    assert flat["algorithm.lam"] == 1.0 and flat["algorithm.aggregation"] == "uniform"
     assert build_config({}, ["algorithm.lam=1e-1"]).flat()["algorithm.lam"] == 0.1  # typed, not the string
 
 
@@ -133,3 +133,15 @@ def test_a_method_that_needs_a_public_set_refuses_public_size_zero():
     issues, _ = issues_of({"algorithm": {"name": "fedprotokd"}, "data": {"public_size": 0}})
     assert issues["data.public_size"].allowed.startswith("at least 1: fedprotokd distils through a public proxy set")
     assert build_config({"algorithm": {"name": "fedprotokd"}}).data.public_size == 2500  # its default
+
+
+def test_fedtgp_aggregates_every_clients_latest_upload_by_default_in_async_mode_only():
+    # async (the default mode): every client's latest upload, staleness-weighted (issue 15)
+    assert build_config({}).algorithm_options().aggregation_scope == "latest"
+    assert build_config({}, ["algorithm.name=fedtgp", "federation.mode=async"]).algorithm.model_extra[
+        "aggregation_scope"] == "latest"
+    # sync: FedTGP's round, the sampled clients' uploads
+    assert build_config({}, ["federation.mode=sync"]).algorithm_options().aggregation_scope == "buffer"
+    # a value the user sets wins; other methods keep their own default
+    assert build_config({}, ["algorithm.aggregation_scope=buffer"]).algorithm_options().aggregation_scope == "buffer"
+    assert build_config({}, ["algorithm.name=fedproto"]).algorithm_options().aggregation_scope == "buffer"

@@ -347,6 +347,17 @@ def test_update_carries_prototypes_and_public_logits():
     assert update.nbytes == update.prototypes.nbytes + 5 * C * 4
 
 
+def test_counts_are_sent_only_when_the_server_uses_them():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    y = torch.tensor([0, 1, 1])  # real counts: class 0 once, class 1 twice
+    client, model = fixed_client(1, public=5)
+    update = client.make_update(model, x, y)  # prototype_mean: uniform (default): count-free
+    assert update.prototypes.counts.tolist() == [1, 1]
+    np.testing.assert_allclose(update.prototypes.vectors, [[1, 2], [4, 5]])
+    weighted, model = fixed_client(1, public=5, prototype_mean="weighted")
+    assert weighted.make_update(model, x, y).prototypes.counts.tolist() == [1, 2]
+
+
 # ----------------------------------------------------------------------------- a round end to end
 
 

@@ -10,6 +10,7 @@ from doubles import FixedModel, pset
 
 from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
 from rayfed_proto.algorithms.base import TrainBatchIterator
+from rayfed_proto.algorithms.common import nearest_prototype_predict
 from rayfed_proto.algorithms.fedsa import (
     classifier_calibration_loss,
     client_margin,
@@ -62,9 +63,11 @@ def client_with(version=0, vecs=POINTS, **opts):
 # ----------------------------------------------------------------------------- options
 
 
-def test_defaults_are_the_papers():
+def test_defaults_are_the_authors_scripts():
+    # lokinko/FedSA, system/cross-device setting.sh: -lam 10 -mcl 1.0 -cc 1.0, L_R as nn.MSELoss
     o = ALGO.Options()
-    assert (o.lam, o.lambda2, o.lambda3, o.alpha) == (0.1, 0.01, 1.0, 0.9999)
+    assert (o.lam, o.lambda2, o.lambda3, o.alpha) == (10.0, 1.0, 1.0, 0.9999)
+    assert o.alignment_reduction == "mean" and o.inference_bank == "prototypes"
     assert o.margin_statistic == "mean_pairwise" and o.use_embedding_projection and o.use_ema
     with pytest.raises(ValueError):
         ALGO.Options(alpha=1.5)
@@ -215,6 +218,47 @@ def test_server_without_ema_keeps_the_initial_anchors():
     before = server.broadcast(0).prototypes.vectors.copy()
     server.aggregate([ClientUpdate(0, 0, 1, prototypes=pset([0], [[9, 9]], [1]))], [1.0], version=1)
     np.testing.assert_array_equal(server.broadcast(1).prototypes.vectors, before)
+
+
+def test_inference_bank_is_the_aggregated_client_prototypes_not_the_anchors():
+    # authors' clientsa.test_metrics: nearest of the server's global_protos (mean of the uploads)
+    server = ALGO.Server(ALGO.Options(alpha=0.5), SPEC, CPU)
+    server.bank.vectors[:] = [[0, 0], [2, 2], [4, 4]]
+    u1 = ClientUpdate(0, 0, 4, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 3]))
+    u2 = ClientUpdate(1, 0, 3, prototypes=pset([0], [[3, 0]], [3]))
+    server.aggregate([u1, u2], [1.0, 0.5], version=1)
+    state = server.broadcast(1)
+    client = ALGO.Client(ALGO.Options(), SPEC, 0)
+    client.receive(state, FixedModel())
+    bank = client.inference_bank()
+    # P^0 = (1*1*[1,0] + 0.5*3*[3,0]) / 2.5 = [2.2, 0]; P^1 = [0, 1]; class 2 never uploaded: absent
+    assert bank.class_ids.tolist() == [0, 1]
+    np.testing.assert_allclose(bank.vectors, [[2.2, 0], [0, 1]], rtol=1e-6)
+    np.testing.assert_allclose(client.guidance.vectors, [[1.1, 0], [1, 1.5], [4, 4]], rtol=1e-6)  # anchors: EMA
+    # f = [1.6, 1.2]: squared distances to the prototypes 1.8 (class 0), 2.6 (class 1) -> class 0;
+    # to the anchors 1.69 (class 0), 0.45 (class 1), 13.6 (class 2) -> class 1
+    f = torch.tensor([[1.6, 1.2]])
+    assert nearest_prototype_predict(f, bank).tolist() == [0]
+    assert nearest_prototype_predict(f, client.guidance).tolist() == [1]
+    anchors = ALGO.Client(ALGO.Options(inference_bank="anchors"), SPEC, 0)
+    anchors.receive(state, FixedModel())
+    np.testing.assert_array_equal(anchors.inference_bank().vectors, state.prototypes.vectors)
+    # a class nobody uploads this time keeps its last prototype; before any upload there is no bank
+    server.aggregate([ClientUpdate(2, 1, 2, prototypes=pset([2], [[5, 5]], [2]))], [1.0], version=2)
+    client.receive(server.broadcast(2), FixedModel())
+    np.testing.assert_allclose(client.inference_bank().vectors, [[2.2, 0], [0, 1], [5, 5]], rtol=1e-6)
+    fresh = ALGO.Client(ALGO.Options(), SPEC, 0)
+    fresh.receive(ALGO.Server(ALGO.Options(), SPEC, CPU).broadcast(0), FixedModel())
+    assert fresh.inference_bank() is None
+
+
+def test_aggregated_prototypes_are_kept_without_ema_and_in_the_state():
+    server = ALGO.Server(ALGO.Options(use_ema=False), SPEC, CPU)
+    server.aggregate([ClientUpdate(0, 0, 1, prototypes=pset([1], [[9, 9]], [1]))], [1.0], version=1)
+    assert server.broadcast(1).extras["client_prototype_ids"].tolist() == [1]
+    fresh = ALGO.Server(ALGO.Options(use_ema=False), SPEC, CPU)
+    fresh.load_state_dict(server.state_dict())
+    np.testing.assert_array_equal(fresh.broadcast(1).extras["client_prototype_vectors"], [[9, 9]])
 
 
 # ----------------------------------------------------------------------------- Eq. 9 on the client

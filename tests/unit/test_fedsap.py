@@ -396,6 +396,31 @@ def test_pseudo_labels_their_accuracy_and_the_consistency_term():
     assert t3["pseudo_accepted"] == 0 and math.isnan(t3["pseudo_accuracy"]) and t3["cons"] == 0.0
 
 
+def test_a_separate_unlabelled_pool_replaces_the_hidden_part_of_the_split():
+    # the paper's regime (Table 3): k labelled shots and a separate pool U_q; here the split is
+    # XS[:4] (all labelled) and the pool XS[4:] with its true labels (read for pseudo_accuracy only)
+    client = semi_client(version=10, bank=BANK01, supervised_versions=10, strong_noise_std=0.0)
+    client.thresholds = (0.1, 0.5)
+    client.set_unlabelled_pool(XS[4:], YS[4:])
+    model = FixedModel()
+    terms = train(client, model, XS[:4], YS[:4], batch_size=4)  # one step: 4 labelled + 4 from the pool
+    assert terms["pseudo_candidates"] == 4 and terms["pseudo_accepted"] == 3
+    assert terms["pseudo_accuracy"] == pytest.approx(2 / 3)
+    assert client.unlabelled is None  # nothing of the split is hidden
+    assert client.accepted_idx.tolist() == [0, 1, 2] and client.accepted_label.tolist() == [0, 1, 0]  # pool positions
+    assert terms["cons"] == pytest.approx(2 * (1 - 2 / math.sqrt(4.01)) / 3, abs=1e-7)
+    up = client.make_update(model, XS[:4], YS[:4])
+    # Eq. 14 as in the hidden-split case: the same labelled and accepted embeddings
+    np.testing.assert_allclose(up.prototypes.vectors, [[5.5 / 3, 0.05 / 3], [0.02, 2.0]], rtol=1e-6)
+    assert up.prototypes.counts.tolist() == [4, 3]
+    # supervised phase: every sample of the split is labelled (no fraction hidden), the pool is unused
+    early = semi_client(version=5, bank=BANK01, supervised_versions=10)
+    early.set_unlabelled_pool(XS[4:], YS[4:])
+    t = train(early, FixedModel(), XS[:4], YS[:4], batch_size=4)
+    assert t["pseudo_candidates"] == 0
+    assert early.make_update(FixedModel(), XS[:4], YS[:4]).prototypes.counts.tolist() == [2, 2]
+
+
 def test_upload_mixes_accepted_embeddings_eq14():
     client = semi_phase_client(alpha=0.5)
     model = FixedModel()
@@ -560,3 +585,24 @@ def test_through_the_client_runner_with_a_real_model_and_a_state_round_trip():
     _, ub = b.train(GlobalState(version=2, prototypes=first.prototypes))
     np.testing.assert_allclose(ua.prototypes.vectors, ub.prototypes.vectors, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(a.algorithm.accepted_idx, b.algorithm.accepted_idx)
+
+
+def test_the_partitions_unlabelled_pool_reaches_the_client():
+    from rayfed_proto.config import build_config
+    from rayfed_proto.data import load_dataset, make_partition
+    from rayfed_proto.runtime.core import ClientRunner
+
+    cfg = build_config({"algorithm": {"name": "fedsap", "semi_supervised": {"supervised_versions": 1}}},
+                       ["federation.num_clients=4", "model.feature_dim=16", "data.image_size=16",
+                        "data.partition.name=nway_kshot", "data.partition.n_way=2", "data.partition.k_shot=8",
+                        "data.partition.unlabelled_per_client=6"])
+    ds = load_dataset(cfg.data, cfg.seed)
+    part = make_partition(ds, cfg.data.partition, 4, cfg.seed, cfg.data.test_fraction)
+    split = part.clients[0]
+    runner = ClientRunner(cfg, split, ds, torch.device("cpu"))
+    x, y = ds.tensors(split.unlabelled_idx)
+    assert len(y) == 6 and torch.equal(runner.algorithm.pool_x, x) and torch.equal(runner.algorithm.pool_y, y)
+    _, first = runner.train(GlobalState(version=0))  # supervised phase: the whole split is labelled
+    assert first.num_samples == len(split.train_idx) and runner.algorithm.unlabelled is None
+    meta, _ = runner.train(GlobalState(version=1, prototypes=first.prototypes))
+    assert meta["terms"]["pseudo_candidates"] > 0

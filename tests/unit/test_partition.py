@@ -423,3 +423,34 @@ def test_by_domain_domain_smaller_than_its_clients():
     with pytest.raises(ValueError, match=r"domain 'small' has 2 samples \(after any holdouts\), fewer than its 3 clients "
                                          r"\(data\.partition\.clients_per_domain = \[1, 3\]\)"):
         make_partition(toy, PartitionConfig(name="by_domain", clients_per_domain=[1, 3]), num_clients=4, seed=0)
+
+
+def test_unlabelled_pools_are_of_the_clients_classes_disjoint_and_balanced(ds, tmp_path):
+    base = PartitionConfig(name="nway_kshot", n_way=3, k_shot=8)
+    plain = make_partition(ds, base, num_clients=6, seed=2)
+    p = make_partition(ds, base.model_copy(update={"unlabelled_per_client": 30}), num_clients=6, seed=2)
+    held = all_indices(p)
+    pools = [c.unlabelled_idx for c in p.clients]
+    for a, b in zip(plain.clients, p.clients, strict=True):  # train/test untouched: the pool has its own stream
+        assert np.array_equal(a.train_idx, b.train_idx) and np.array_equal(a.test_idx, b.test_idx)
+        assert len(a.unlabelled_idx) == 0
+    everything = np.concatenate(pools)
+    assert len(np.unique(everything)) == len(everything) == 6 * 30  # no sample in two pools
+    assert not np.intersect1d(everything, held).size  # nor held by any client
+    for c, pool in zip(p.clients, pools, strict=True):
+        classes = np.unique(ds.labels[c.train_idx])
+        per_class = np.bincount(ds.labels[pool], minlength=10)
+        assert set(np.flatnonzero(per_class)) == set(classes)  # closed set: the client's classes only
+        assert per_class[classes].tolist() == [10, 10, 10]  # 30 over 3 classes, round robin
+    p.save_parquet(tmp_path / "pools.parquet")
+    q = Partition.load_parquet(tmp_path / "pools.parquet")
+    assert q == p and all(np.array_equal(a.unlabelled_idx, b.unlabelled_idx) for a, b in zip(p.clients, q.clients, strict=True))
+    assert (q.sizes("train") == p.sizes("train")).all()  # pools are no part of the splits
+
+
+def test_unlabelled_pool_runs_short_with_a_warning():
+    ds = make_ds(np.repeat(np.arange(2), 10))  # 10 per class; 2 clients x 2 classes x 4 shots leave 2 per class
+    cfg = PartitionConfig(name="nway_kshot", n_way=2, k_shot=4, unlabelled_per_client=3)
+    with pytest.warns(UserWarning, match="unlabelled_per_client"):
+        p = make_partition(ds, cfg, num_clients=2, seed=0)
+    assert sorted(len(c.unlabelled_idx) for c in p.clients) == [1, 3]  # 4 free samples, first come first served
