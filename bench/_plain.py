@@ -53,7 +53,10 @@ def run_plain(cfg: ExperimentConfig, device: str = "cpu", echo=print) -> PlainRe
     method = cfg.algorithm.name
     lam = float(getattr(cfg.algorithm_options(), "lam", 0.0))
     ds = load_dataset(cfg.data, cfg.seed)
-    part = make_partition(ds, cfg.data.partition, cfg.federation.num_clients, cfg.seed, cfg.data.test_fraction)
+    # the driver's partition exactly (FedAvg holds out a global test set by default: the clients get the rest)
+    part = make_partition(ds, cfg.data.partition, cfg.federation.num_clients, cfg.seed, cfg.data.test_fraction,
+                          global_test_fraction=cfg.data.global_test_fraction, public_size=cfg.data.public_size,
+                          long_tail_ratio=cfg.data.long_tail_ratio)
     m, t = cfg.model, cfg.training
     clients = []
     for split in part.clients:
@@ -65,7 +68,13 @@ def run_plain(cfg: ExperimentConfig, device: str = "cpu", echo=print) -> PlainRe
         tx, ty = ds.tensors(split.test_idx)
         clients.append({"model": model, "opt": opt, "x": x, "y": y, "tx": tx, "ty": ty,
                         "gen": torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id)})
-    global_weights = {k: v.clone() for k, v in clients[0]["model"].state_dict().items()} if method == "fedavg" else None
+    global_weights = None
+    if method == "fedavg":  # the platform server's initial global model: the same seed, the same builder
+        from rayfed_proto.runtime.core import federation_spec
+
+        torch.manual_seed(cfg.seed)
+        init = federation_spec(cfg, ds.num_classes, ds.channels, ds.image_size).build_model()
+        global_weights = {k: v.detach().clone().to(dev) for k, v in init.state_dict().items()}
     bank = None  # FedProto: (C, D) global prototypes and a (C,) mask
     out = PlainResult(startup_s=float("nan"))
     for rnd in range(cfg.federation.rounds):
