@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import InputError, build_config
 from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+from rayfed_proto.tracking.metric_names import mlflow_key
 
 pytestmark = pytest.mark.integration
 
@@ -17,7 +18,7 @@ QUIET = {"progress": False, "echo": lambda s: None}
 
 
 def _points(client, run_id, key):
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, mlflow_key(key)))
 
 
 def test_async_run_where_every_update_is_refused_stops_failed_with_its_counters(ray_session, tracking):
@@ -33,7 +34,7 @@ def test_async_run_where_every_update_is_refused_stops_failed_with_its_counters(
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
     assert run.info.status == "FAILED"
     assert "max_consecutive_refusals=6" in run.data.tags["failure_reason"]
-    assert run.data.metrics["updates_refused"] >= 6 and run.data.metrics["updates_accepted"] == 0
+    assert run.data.metrics[mlflow_key("updates_refused")] >= 6 and run.data.metrics[mlflow_key("updates_accepted")] == 0
 
 
 def test_sync_rounds_that_aggregated_nothing_are_counted(ray_session, tracking, caplog):

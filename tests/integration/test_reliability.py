@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
 from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+from rayfed_proto.tracking.metric_names import mlflow_key
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +42,7 @@ def _killer(part: str, at_versions: set[int], first_at_or_after: bool = False):
 
 
 def _history(client, run_id, key):
-    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step)]
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, mlflow_key(key)), key=lambda m: m.step)]
 
 
 def _assert_finite_bank(result):
