@@ -17,7 +17,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -142,12 +141,16 @@ def run_plain(cfg: ExperimentConfig, device: str = "cpu", echo=print) -> PlainRe
     return out
 
 
-def median_or_nan(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
+def write_results(rows: list[dict], cols: list[str], args) -> None:
+    """Print ``rows`` as a markdown table of ``cols``; with ``args.out``, also OUT.json (every
+    field, and the arguments) and OUT.md."""
+    import json
 
-
-def as_row(values: dict) -> str:
-    return "| " + " | ".join(str(v) for v in values.values()) + " |"
-
-
-__all__ = ["run_plain", "PlainResult", "median_or_nan", "as_row", "np"]
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    md += ["| " + " | ".join(str(r[c]) for c in cols) + " |" for r in rows]
+    print("\n".join(md))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                                             "rows": rows}, indent=1))
+        args.out.with_suffix(".md").write_text("\n".join(md) + "\n")

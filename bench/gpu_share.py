@@ -16,13 +16,12 @@ Without a CUDA GPU it says so and measures nothing.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plain import run_plain  # noqa: E402
+from _plain import run_plain, write_results  # noqa: E402
 
 
 def main() -> None:
@@ -83,14 +82,7 @@ def main() -> None:
     for r in rows:
         r["throughput_vs_plain"] = round(r["samples_per_s"] / ref, 3)
     cols = list(rows[0])
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(str(r[c]) for c in cols) + " |"
-                                                                        for r in rows]
-    print("\n".join(md))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                             "rows": rows}, indent=1))
-        args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_results(rows, cols, args)
 
 
 if __name__ == "__main__":

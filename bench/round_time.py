@@ -21,7 +21,6 @@ from the call to its first client update (imports excluded, which favours the pl
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _plain import run_plain  # noqa: E402
+from _plain import run_plain, write_results  # noqa: E402
 
 
 def workload(args, method: str, tmp: Path) -> list[str]:
@@ -119,14 +118,7 @@ def main() -> None:
               flush=True)
     cols = ["method", "rounds", "platform_round_s", "plain_round_s", "ratio", "platform_startup_s", "plain_startup_s",
             "platform_head_acc", "plain_head_acc", "acc_diff_pp", "platform_actors"]
-    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)] + ["| " + " | ".join(str(r[c]) for c in cols) + " |"
-                                                                        for r in rows]
-    print("\n".join(md))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                             "rows": rows}, indent=1))
-        args.out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_results(rows, cols, args)
 
 
 if __name__ == "__main__":
