@@ -136,9 +136,13 @@ class FederationConfig(_Section):
     @field_validator("concurrency")
     @classmethod
     def _concurrency(cls, v):
-        if v != "auto" and v < 1:
-            raise ValueError("must be 'auto' or an integer >= 1")
-        return v
+        return _auto_or_positive(v)
+
+
+def _auto_or_positive(v):
+    if v != "auto" and v < 1:
+        raise ValueError("must be 'auto' or an integer >= 1")
+    return v
 
 
 class ResourcesConfig(_Section):
@@ -161,9 +165,7 @@ class ResourcesConfig(_Section):
     @field_validator("clients_per_actor")
     @classmethod
     def _per_actor(cls, v):
-        if v != "auto" and v < 1:
-            raise ValueError("must be 'auto' or an integer >= 1")
-        return v
+        return _auto_or_positive(v)
 
     def parks_clients(self, num_clients: int) -> bool:
         return num_clients > 100 if self.park_idle_clients == "auto" else bool(self.park_idle_clients)

@@ -251,7 +251,7 @@ def _run_experiment(
     scheduler = None
     restore_signals = lambda: None  # noqa: E731
     try:
-        fleet.start_server()
+        fleet.new_server()
         fleet.setup_workers()
         echo(f"starting {len(groups)} client actors ({fed.num_clients} clients, up to {plan.clients_per_actor} per actor) "
              f"and 1 server actor; per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; "

@@ -7,7 +7,7 @@ Order of a start (``run_experiment``)::
     ... the driver partitions the data, creates the output folder, starts the MLflow run ...
     fleet.data_ref = ray.put(dataset)             # once; every actor maps it zero-copy
     fleet.assign(groups, partition, ...)          # which worker hosts which clients
-    fleet.start_server(); fleet.setup_workers()   # data handed over through the object store
+    fleet.new_server(); fleet.setup_workers()     # data handed over through the object store
     fleet.wait_started(...)                       # every actor built, or a clear error
 
 Inside a Ray Tune trial the trial's own placement group already holds every actor (Tune
@@ -105,9 +105,6 @@ class _Fleet:
             self.cfg_dict, *self.shape, fed.buffer_size if fed.mode == "async" else None, max(1, p.torch_threads),
             self.data_ref, self.partition.global_test_idx, self.partition.public_idx)
         return self.handles["server"]
-
-    def start_server(self) -> None:
-        self.new_server()
 
     def wait_started(self, cluster: dict, timeout: float, progress: bool) -> None:
         """Block until the placement group is placed and every actor is built and set up; a

@@ -53,7 +53,6 @@ def test_auto_packing_creates_no_more_workers_than_slots(ray_session, tracking, 
     workers = _workers(result)
     assert len(workers) == result.resource_plan["num_actors"] <= cpus_declared
     assert sorted(c for w in workers for c in w["clients"]) == list(range(9))  # every client hosted once
-    # hosted clients are balanced by training samples, not consecutive blocks
     assert all(w["live_clients"] == len(w["clients"]) for w in workers)  # 9 clients: nothing parked
 
 
