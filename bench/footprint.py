@@ -33,8 +33,21 @@ SCALE = ["algorithm.name=fedproto", "algorithm.lam=10", "data.name=synthetic", "
          "federation.participation=0.05", "federation.rounds=5", "federation.eval_every=5", "training.batch_size=10"]
 
 
-def tree_memory(root: psutil.Process) -> tuple[float, float, int]:
-    """(sum PSS MiB, sum RSS MiB, processes) over ``root`` and its descendants."""
+def label(p: psutil.Process) -> str:
+    """A short name for a process of the run: the Ray actor or worker title (``ray::ClientActor``),
+    or the program or script it runs (``raylet``, ``log_monitor.py``, ``rayfed-proto``)."""
+    cmd = p.cmdline()
+    if not cmd:
+        return p.name()
+    if cmd[0].startswith("ray::"):
+        return cmd[0].split()[0]
+    scripts = [Path(a).name for a in cmd[:3] if a.endswith(".py") or "rayfed-proto" in a]
+    return scripts[0] if scripts else Path(cmd[0]).name
+
+
+def tree_memory(root: psutil.Process, by_process: dict | None = None) -> tuple[float, float, int]:
+    """(sum PSS MiB, sum RSS MiB, processes) over ``root`` and its descendants; with
+    ``by_process``, also fills it with PSS MiB per process label (summed over equal labels)."""
     pss = rss = 0.0
     procs = [root]
     try:
@@ -48,6 +61,9 @@ def tree_memory(root: psutil.Process) -> tuple[float, float, int]:
             pss += getattr(info, "pss", info.rss) / 2**20
             rss += info.rss / 2**20
             n += 1
+            if by_process is not None:
+                name = label(p)
+                by_process[name] = by_process.get(name, 0.0) + getattr(info, "pss", info.rss) / 2**20
         except psutil.Error:
             continue
     return pss, rss, n
@@ -67,14 +83,15 @@ def main() -> None:
         cmd = [str(Path(sys.executable).parent / "rayfed-proto"), "run"] + [f"--set={s}" for s in sets]
         t0 = time.time()
         proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        peak = {"pss": 0.0, "rss": 0.0, "procs": 0}
+        peak = {"pss": 0.0, "rss": 0.0, "procs": 0, "by_process": {}}
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                pss, rss, n = tree_memory(proc)
+                parts: dict[str, float] = {}
+                pss, rss, n = tree_memory(proc, parts)
                 if pss > peak["pss"]:
-                    peak.update(pss=pss, rss=max(peak["rss"], rss), procs=n)
+                    peak.update(pss=pss, rss=max(peak["rss"], rss), procs=n, by_process=parts, at_s=time.time() - t0)
                 peak["rss"] = max(peak["rss"], rss)
                 time.sleep(0.5)
 
@@ -95,8 +112,9 @@ def main() -> None:
     row = {"which": args.which, "clients": p.get("federation.num_clients"), "client_actors": p.get("plan.num_actors"),
            "startup_s": round(m.get("federation/startup_s", float("nan")), 1), "total_s": round(total_s, 1),
            "peak_pss_gib": round(peak["pss"] / 1024, 2), "peak_rss_sum_gib": round(peak["rss"] / 1024, 2),
-           "processes_at_peak": peak["procs"], "head_acc": round(m.get("eval/head_acc", float("nan")), 4),
-           "pss_client_actors_total_mib": round(m.get("system/actors/client_pss_mib_total", float("nan")), 0)}
+           "processes_at_peak": peak["procs"], "peak_at_s": round(peak.get("at_s", float("nan")), 1), "head_acc": round(m.get("eval/head_acc", float("nan")), 4),
+           "pss_client_actors_total_mib": round(m.get("system/actors/client_pss_mib_total", float("nan")), 0),
+           "pss_at_peak_mib_by_process": {k: round(v) for k, v in sorted(peak["by_process"].items(), key=lambda kv: -kv[1])}}
     print(json.dumps(row, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -330,18 +330,41 @@ def _state_is_finite(state: GlobalState) -> bool:
     return all(np.isfinite(a).all() for a in arrays if np.issubdtype(np.asarray(a).dtype, np.floating))
 
 
-def embedding_silhouette(features: Optional[torch.Tensor], labels: torch.Tensor) -> Optional[float]:
+def embedding_silhouette(features: Optional[torch.Tensor], labels: torch.Tensor, block: int = 1024) -> Optional[float]:
     """Silhouette score of the embeddings grouped by true class (FedSAP reports it per
     evaluation): how compact and separated the classes are. None when undefined (fewer than 2
-    classes, or as many classes as samples)."""
+    classes, or as many classes as samples).
+
+    Rousseeuw's definition, as scikit-learn's ``silhouette_score`` computes it: for sample i of
+    class l, a_i = mean Euclidean distance to the other samples of l, b_i = the smallest mean
+    distance to the samples of another class, s_i = (b_i - a_i) / max(a_i, b_i) (0 for a class of
+    one sample, and where a_i = b_i = 0); the score is the mean of s_i. Computed here in float64
+    torch, ``block`` rows of the distance matrix at a time, so that worker processes need not
+    import scikit-learn and SciPy (about 70 MiB each) for one metric; tests check it against
+    scikit-learn."""
     if features is None or not bool(torch.isfinite(features).all()):
         return None  # a diverged model has no geometry to score; counted as clients_nonfinite
-    n, k = len(labels), len(torch.unique(labels))
+    classes, y = torch.unique(labels, return_inverse=True)
+    n, k = len(labels), len(classes)
     if k < 2 or k >= n:
         return None
-    from sklearn.metrics import silhouette_score
-
-    return float(silhouette_score(features.numpy(), labels.numpy(), metric="euclidean"))
+    x = features.detach().to(torch.float64).reshape(n, -1)
+    onehot = torch.nn.functional.one_hot(y, k).to(torch.float64)  # n x k
+    sizes = onehot.sum(0)  # samples per class
+    s = torch.empty(n, dtype=torch.float64)
+    for i in range(0, n, block):
+        d = torch.cdist(x[i : i + block], x)  # rows i.. of the pairwise distances
+        sums = d @ onehot  # distance of each row to all samples of each class (itself: 0)
+        own = y[i : i + block]
+        own_size = sizes[own]
+        a = sums.gather(1, own[:, None]).squeeze(1) / (own_size - 1).clamp(min=1)
+        mean_other = sums / sizes
+        mean_other.scatter_(1, own[:, None], float("inf"))
+        b = mean_other.min(1).values
+        denom = torch.maximum(a, b)
+        si = torch.where(denom > 0, (b - a) / torch.where(denom > 0, denom, 1.0), 0.0)
+        s[i : i + block] = torch.where(own_size > 1, si, 0.0)
+    return float(s.mean())
 
 
 @dataclass

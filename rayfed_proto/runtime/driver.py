@@ -218,9 +218,15 @@ def _run_experiment(cfg: ExperimentConfig, *, folder_locks, progress: bool = Tru
         if run.bar is not None:
             run.bar.close()
         run.tracker.end(status)
-        if run.scheduler is not None:
-            run.fleet.handles["actors"], run.fleet.handles["server"] = run.scheduler.actors, run.scheduler.server
-        run.fleet.shutdown()
+        _release_actors(run)
+
+
+def _release_actors(run: _Run) -> None:
+    """Kill the worker and server actors (the scheduler's current handles: restarts replace
+    them) and free the placement group; a second call does nothing."""
+    if run.scheduler is not None:
+        run.fleet.handles["actors"], run.fleet.handles["server"] = run.scheduler.actors, run.scheduler.server
+    run.fleet.shutdown()
 
 
 # ----------------------------------------------------------------------------- the steps of a run
@@ -478,6 +484,8 @@ def _finish(run: _Run, final_version: int) -> RunResult:
     _log_time_to_target(run, final_version)
     placements = _log_actor_memory(run, final_version)
     bank = ray.get(scheduler.server.guidance_bank.remote())
+    models = run.run_log.collect_models(scheduler.server, scheduler.actors, run.groups, scheduler.global_ref)
+    _release_actors(run)  # done with them: their memory is free before the artifacts, plots and models are written
     _write_final_artifacts(run.out, tracker, run.history, bank, run.class_names, cfg)
     _write_participation(run)
     concurrency = f"concurrency {scheduler.concurrency}" + (" simulated" if scheduler.clock is not None else "")
@@ -489,7 +497,7 @@ def _finish(run: _Run, final_version: int) -> RunResult:
     })
     (run.out / "summary.txt").write_text(summary + "\n")
     tracker.log_artifact(run.out / "summary.txt")
-    run.run_log.finish(final_version, summary, scheduler.server, scheduler.actors, run.groups, scheduler.global_ref)
+    run.run_log.finish(final_version, summary, models)
     runfolder.mark_finished(run.out, final_version, run.run_id)
     tracker.delete_tags(("stopped", "resume_from", "failure_reason"))  # left by an earlier stop: no longer true
     return RunResult(run.run_id, tracker.uri, run.out, final_version, run.history, run.plan.as_dict(), placements, summary,

@@ -42,6 +42,7 @@ class ActorFleet:
         self.data_ref = None
         self.groups: list[list[int]] = []
         self.setup_refs: list = []
+        self.closed = False  # shut down: the actors are killed and the placement group removed
 
     # ------------------------------------------------------------------ placement
     def _bundles(self) -> Optional[list[dict[str, float]]]:
@@ -196,6 +197,10 @@ class ActorFleet:
         return server, version
 
     def shutdown(self) -> None:
+        """Kill the actors and remove the placement group; later calls do nothing."""
+        if self.closed:
+            return
+        self.closed = True
         handles = list(self.handles["actors"]) + ([self.handles["server"]] if self.handles["server"] is not None else [])
         if self.handles["server"] is not None:
             try:

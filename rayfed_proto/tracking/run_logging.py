@@ -79,8 +79,45 @@ class RunLogging:
             m["system/actors/server_pss_mib"] = placements[-1].get("pss_mib", float("nan"))
         self.tracker.log_metrics(m, step=step)
 
-    def finish(self, step: int, summary: str, server=None, actors=None, actor_clients=None, state_ref=None) -> None:
-        """End of a finished run: back-filled series, per-client table, models, description."""
+    def collect_models(self, server, actors, actor_clients, state_ref) -> list[dict[str, Any]]:
+        """The models ``tracking.log_models`` chooses, fetched from the server and the worker actors
+        (with each client's test accuracy), so that the actors can be released before
+        :meth:`finish` logs them: the end of a run then holds no worker in memory. A model that
+        cannot be fetched is skipped with a warning; it never fails a finished run."""
+        import ray
+
+        from rayfed_proto.tracking.models import choose_models
+
+        choice = self.cfg.tracking.log_models
+        if not self.cfg.tracking.enabled or choice == "none" or self.input_example is None or server is None:
+            return []
+        out: list[dict[str, Any]] = []
+        try:
+            server_model, server_metrics = ray.get(server.export_model.remote())
+            with_server, clients = choose_models(choice, server_model is not None, self.archs)
+            if with_server:
+                acc = {k: v for k, v in server_metrics.items() if k.startswith("global_acc")}
+                out.append({"name": "server", "model": server_model, "metrics": acc, "split": "global_test",
+                            "tags": {"rayfed_proto.model": "server", "algorithm": self.cfg.algorithm.name}})
+            actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
+            for c in clients:
+                model, result = ray.get(actors[actor_of[c]].export_model.remote(c, state_ref))
+                n = result["n"]
+                acc = {"test_samples": float(n)}
+                if n:
+                    acc["head_acc"] = result["head_correct"] / n
+                    if result.get("proto_correct") is not None:
+                        acc["proto_acc"] = result["proto_correct"] / n
+                out.append({"name": f"client_{c}", "model": model, "metrics": acc, "split": "test",
+                            "tags": {"rayfed_proto.model": "client", "client_id": c, "architecture": self.archs[c],
+                                     "algorithm": self.cfg.algorithm.name}})
+        except Exception as e:  # a model that cannot be pickled must not fail a finished run
+            log.warning("could not fetch the models to log to MLflow: %r", e)
+        return out
+
+    def finish(self, step: int, summary: str, models: Optional[list[dict[str, Any]]] = None) -> None:
+        """End of a finished run: back-filled series, per-client table, the ``models`` from
+        :meth:`collect_models`, description."""
         if not self.cfg.tracking.enabled:
             return
         points, described = self.series.backfill()
@@ -91,42 +128,19 @@ class RunLogging:
                                    "tables/clients.json")
         except Exception as e:
             log.warning("could not log the per-client series / table to MLflow: %r", e)
-        logged = self._log_models(step, server, actors, actor_clients, state_ref) if server is not None else []
+        logged = self._log_models(step, models or [])
         self.tracker.set_description(description(summary, described, logged))
 
-    def _log_models(self, step, server, actors, actor_clients, state_ref) -> list[str]:
-        import ray
+    def _log_models(self, step: int, models: list[dict[str, Any]]) -> list[str]:
+        from rayfed_proto.tracking.models import log_pytorch_model
 
-        from rayfed_proto.tracking.models import choose_models, log_pytorch_model
-
-        choice = self.cfg.tracking.log_models
-        if choice == "none" or self.input_example is None:
-            return []
         logged: list[str] = []
         try:
-            server_model, server_metrics = ray.get(server.export_model.remote())
-            with_server, clients = choose_models(choice, server_model is not None, self.archs)
-            if with_server:
-                acc = {k: v for k, v in server_metrics.items() if k.startswith("global_acc")}
-                log_pytorch_model(self.tracker, server_model, "server", self.input_example, acc, step,
-                                  dataset=self._dataset("global_test"),
-                                  tags={"rayfed_proto.model": "server", "algorithm": self.cfg.algorithm.name})
-                logged.append("server")
-            actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
-            for c in clients:
-                model, result = ray.get(actors[actor_of[c]].export_model.remote(c, state_ref))
-                n = result["n"]
-                acc = {"test_samples": float(n)}
-                if n:
-                    acc["head_acc"] = result["head_correct"] / n
-                    if result.get("proto_correct") is not None:
-                        acc["proto_acc"] = result["proto_correct"] / n
-                log_pytorch_model(self.tracker, model, f"client_{c}", self.input_example, acc, step,
-                                  dataset=self._dataset("test"),
-                                  tags={"rayfed_proto.model": "client", "client_id": c, "architecture": self.archs[c],
-                                        "algorithm": self.cfg.algorithm.name})
-                logged.append(f"client_{c}")
-        except Exception as e:  # a model that cannot be pickled or saved must not fail a finished run
+            for m in models:
+                log_pytorch_model(self.tracker, m["model"], m["name"], self.input_example, m["metrics"], step,
+                                  dataset=self._dataset(m["split"]), tags=m["tags"])
+                logged.append(m["name"])
+        except Exception as e:  # a model that cannot be saved must not fail a finished run
             log.warning("could not log models to MLflow: %r", e)
         return logged
 

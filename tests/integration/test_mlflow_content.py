@@ -29,11 +29,25 @@ def predict_accuracy(model, x, y):
         return int((model(x).argmax(1) == y).sum()) / len(y)
 
 
-def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_client_models(ray_session, tracking):
+def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_client_models(ray_session, tracking,
+                                                                                              monkeypatch):
+    import ray
+
+    from rayfed_proto.tracking.run_logging import RunLogging
+
     uri, track = tracking
     cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.num_clients=4", "federation.rounds=2",
                                             "tracking.log_models=all"])
+    alive_at_finish = []
+    finish = RunLogging.finish
+
+    def spy(self, *args, **kwargs):  # the models are logged after the run's actors are gone (peak memory)
+        alive_at_finish.extend(a for a in ray.util.list_named_actors(all_namespaces=True) if "rayfed" in str(a))
+        return finish(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunLogging, "finish", spy)
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
+    assert alive_at_finish == []
     client = MlflowClient(uri)
     run = client.get_run(result.run_id)
     keys = set(run.data.metrics)

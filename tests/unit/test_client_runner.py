@@ -59,6 +59,21 @@ def test_embedding_silhouette_by_hand_and_undefined_cases():
     assert embedding_silhouette(feats[:2], torch.tensor([0, 1])) is None  # as many classes as samples
 
 
+@pytest.mark.parametrize("n, k, dim, block", [(50, 3, 4, 1024), (203, 7, 16, 64), (40, 20, 2, 7), (300, 2, 32, 128)])
+def test_embedding_silhouette_equals_scikit_learns(n, k, dim, block):
+    from sklearn.metrics import silhouette_score
+
+    from rayfed_proto.runtime.core import embedding_silhouette
+
+    gen = torch.Generator().manual_seed(n)
+    labels = torch.randint(0, k, (n,), generator=gen)
+    labels[:k] = torch.arange(k)  # every class present; with k=20 of 40 some have a single sample (s_i = 0)
+    feats = torch.randn(n, dim, generator=gen) + 2.0 * torch.nn.functional.one_hot(labels % dim, dim).float()
+    feats[5] = feats[6]  # a duplicate point (distance 0)
+    expected = silhouette_score(feats.double().numpy(), labels.numpy(), metric="euclidean")
+    assert embedding_silhouette(feats, labels, block=block) == pytest.approx(expected, rel=1e-7, abs=1e-12)  # both use float64 distances
+
+
 def test_evaluation_reports_a_silhouette_in_range(setup):
     cfg, ds, part = setup
     runner = ClientRunner(cfg, part.clients[2], ds, torch.device("cpu"))
