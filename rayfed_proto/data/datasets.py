@@ -85,15 +85,32 @@ def resize_images(images: np.ndarray, size: int) -> np.ndarray:
 # --------------------------------------------------------------------------- built-in sets
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits: (images 1797 x 8 x 8 with values 0..16, integer labels).
+
+    Read from the ``digits.csv.gz`` scikit-learn ships, as its ``load_digits`` does, but without
+    importing ``sklearn.datasets`` (which pulls in SciPy: about 70 MiB in the driver of every
+    run on the default dataset). Falls back to ``load_digits`` where the file is not found."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("sklearn")
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits as sk_load_digits
+
+        bunch = sk_load_digits()
+        return bunch.images, bunch.target
+    data = np.loadtxt(path, delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+
+
 @DATASETS.register("digits", help="scikit-learn's 1797 8x8 handwritten digits (offline, 10 classes)")
 def load_digits(cfg: DataConfig, seed: int) -> ArrayDataset:
-    from sklearn.datasets import load_digits as sk_load_digits
-
-    bunch = sk_load_digits()
+    digits, target = digits_arrays()
     # pixel values are 0..16
-    images = (bunch.images.astype(np.float32) / 16.0)[:, None]
+    images = (digits.astype(np.float32) / 16.0)[:, None]
     return ArrayDataset(
-        name="digits", images=resize_images(images, cfg.image_size), labels=bunch.target,
+        name="digits", images=resize_images(images, cfg.image_size), labels=target,
         num_classes=10, class_names=[str(d) for d in range(10)],
     )
 

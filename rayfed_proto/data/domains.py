@@ -126,12 +126,12 @@ def load_digits_domains(cfg: DataConfig, seed: int) -> ArrayDataset:
     (RGB multiplied by (1.0, 0.55, 0.1)). The transforms are applied after resizing to
     ``cfg.image_size``; images are float32 in [0, 1].
     """
-    from sklearn.datasets import load_digits as sk_load_digits
+    from rayfed_proto.data.datasets import digits_arrays
 
     chosen = select_domains(cfg, "digits_domains", DIGITS_DOMAINS)
-    bunch = sk_load_digits()
-    images = resize_images((bunch.images.astype(np.float32) / 16.0)[:, None], cfg.image_size)
-    labels = bunch.target.astype(np.int64)
+    digits, target = digits_arrays()
+    images = resize_images((digits.astype(np.float32) / 16.0)[:, None], cfg.image_size)
+    labels = target.astype(np.int64)
     assignment = digits_domain_split(labels, len(DIGITS_DOMAINS))
     parts = []
     for domain in chosen:

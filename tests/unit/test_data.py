@@ -89,6 +89,24 @@ def test_digits_upsampled_to_image_size():
     assert set(np.unique(ds.labels)) == set(range(10)) and ds.num_classes == 10
 
 
+def test_digits_read_from_the_bundled_csv_equal_scikit_learns_loader_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from rayfed_proto.data.datasets import digits_arrays
+
+    images, labels = digits_arrays()
+    bunch = sk_load_digits()
+    assert np.array_equal(images, bunch.images) and np.array_equal(labels, bunch.target)
+    # and the point of reading the file: the driver of a default run does not import SciPy
+    code = ("import sys; from rayfed_proto.data.datasets import digits_arrays; digits_arrays(); "
+            "print(sorted(m for m in ('scipy', 'sklearn.datasets') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_synthetic_shape_balance_and_determinism():
     cfg = DataConfig(name="synthetic", num_samples=603, num_classes=6, channels=3, image_size=20)
     a, b, c = load_dataset(cfg, seed=5), load_dataset(cfg, seed=5), load_dataset(cfg, seed=6)
