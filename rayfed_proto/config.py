@@ -113,6 +113,9 @@ class TrainingConfig(_Section):
     keep_optimizer_state: bool = Field(
         False, description="keep momentum / Adam state across local updates also when the broadcast carries weights "
         "(default: such an update starts with a fresh optimizer state, as FedAvg/MOON reference code)")
+    memory_format: Literal["auto", "channels_last", "contiguous"] = Field(
+        "auto", description="layout of the clients' convolution weights: channels_last (NHWC) runs oneDNN's faster "
+        "CPU convolutions; auto = channels_last on CPU, contiguous (NCHW) on GPU. Changes float rounding, not the model")
 
 
 class FederationConfig(_Section):

@@ -26,8 +26,6 @@ from pathlib import Path
 from typing import Optional
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from rayfed_proto.config import PartitionConfig
 from rayfed_proto.data import PARTITIONERS
@@ -124,7 +122,7 @@ class Partition:
         return np.stack([np.bincount(self.labels[self._indices(c, split)], minlength=self.num_classes)
                          for c in self.clients]).astype(np.int64)
 
-    def to_table(self) -> pa.Table:
+    def to_table(self) -> "pyarrow.Table":  # noqa: F821 (imported when called: workers never need pyarrow)
         """One row per (client, sample): client_id int32, sample_index int64, split, label int64.
 
         Holdout samples follow the clients' rows, with client_id -1 and split ``global_test``
@@ -143,6 +141,8 @@ class Partition:
             indices.append(idx)
             splits.extend([split] * len(idx))
         index = np.concatenate(indices).astype(np.int64) if indices else np.empty(0, dtype=np.int64)
+        import pyarrow as pa
+
         return pa.table({
             "client_id": pa.array(np.concatenate(client_ids) if client_ids else [], type=pa.int32()),
             "sample_index": pa.array(index, type=pa.int64()),
@@ -156,12 +156,16 @@ class Partition:
         if self.client_domains is not None:
             meta["client_domains"] = json.dumps(self.client_domains)
             meta["domain_names"] = json.dumps(self.domain_names)
+        import pyarrow.parquet as pq
+
         table = self.to_table()
         table = table.replace_schema_metadata({f"rayfed_proto.{k}": str(v) for k, v in meta.items()})
         pq.write_table(table, str(path))
 
     @classmethod
     def load_parquet(cls, path: str | Path) -> Partition:
+        import pyarrow.parquet as pq
+
         table = pq.read_table(str(path))
         raw = table.schema.metadata or {}
         meta = {k.decode().removeprefix("rayfed_proto."): v.decode() for k, v in raw.items()

@@ -100,6 +100,18 @@ def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> torch.optim
     return opt
 
 
+def memory_format(cfg: ExperimentConfig, device: torch.device) -> torch.memory_format:
+    """``training.memory_format`` for a client model on ``device``: channels_last (NHWC) on CPU
+    by default, where oneDNN's convolutions run about 15 % faster per SGD step for the FedAvg
+    CNN at batch 10 (bench/step_overhead.py); contiguous (NCHW) on GPU, where channels_last
+    pays only with mixed precision. Only 4-d weights (convolutions) change layout; the values,
+    the messages (weights travel as C-ordered arrays) and the checkpoints' contents do not."""
+    choice = cfg.training.memory_format
+    if choice == "auto":
+        choice = "channels_last" if device.type == "cpu" else "contiguous"
+    return torch.channels_last if choice == "channels_last" else torch.contiguous_format
+
+
 class ClientRunner:
     """One client: its model, optimizer, algorithm state and data shard (train/test tensors)."""
 
@@ -109,7 +121,7 @@ class ClientRunner:
         torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # distinct, reproducible initialisation
         self.model = build_client_model(cfg.model.group, split.client_id, dataset.channels, dataset.image_size,
                                         dataset.num_classes, cfg.model.feature_dim, cfg.model.projector,
-                                        cfg.model.normalize_features).to(device)
+                                        cfg.model.normalize_features).to(device, memory_format=memory_format(cfg, device))
         self.optimizer = make_optimizer(cfg, self.model)
         algo = ALGORITHMS.get(cfg.algorithm.name)
         spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size, public_x)
