@@ -46,8 +46,11 @@ def _batches(n: int, batch_size: int, gen: torch.Generator):
     return chunks
 
 
-def run_plain(cfg: ExperimentConfig, device: str = "cpu", echo=print) -> PlainResult:
+def run_plain(cfg: ExperimentConfig, device: str = "cpu", echo=print, channels_last: bool = False) -> PlainResult:
+    """The plain loop over ``cfg``'s workload; its models are contiguous (NCHW), as HtFLlib's,
+    unless ``channels_last`` (the layout the platform uses on CPU by default)."""
     t0 = time.perf_counter()
+    layout = torch.channels_last if channels_last else torch.contiguous_format
     dev = torch.device(device)
     method = cfg.algorithm.name
     lam = float(getattr(cfg.algorithm_options(), "lam", 0.0))
@@ -61,7 +64,7 @@ def run_plain(cfg: ExperimentConfig, device: str = "cpu", echo=print) -> PlainRe
     for split in part.clients:
         torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # the platform's per-client initialisation
         model = build_client_model(m.group, split.client_id, ds.channels, ds.image_size, ds.num_classes, m.feature_dim,
-                                   m.projector, m.normalize_features).to(dev)
+                                   m.projector, m.normalize_features).to(dev, memory_format=layout)
         opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
         x, y = ds.tensors(split.train_idx)
         tx, ty = ds.tensors(split.test_idx)

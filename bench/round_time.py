@@ -86,6 +86,9 @@ def main() -> None:
     ap.add_argument("--no-bracket", dest="bracket", action="store_false",
                     help="run the plain loop once, after the platform (default: before and after, ratio against the "
                     "median of both runs' rounds)")
+    ap.add_argument("--plain-channels-last", action="store_true",
+                    help="the plain loop's models in channels_last (the platform's CPU default, training.memory_format) "
+                    "instead of HtFLlib's contiguous layout: what the ratio owes to the layout alone")
     args = ap.parse_args()
     if args.device == "cuda":
         import torch
@@ -103,13 +106,15 @@ def main() -> None:
             plains = []
             if args.bracket:  # the plain loop before and after the platform: a slow phase of the machine
                 print(f"[{method}] plain loop (before) ...", flush=True)  # cannot land on one side only
-                plains.append(run_plain(cfg, device=args.device, echo=lambda s: print(s, flush=True)))
+                plains.append(run_plain(cfg, device=args.device, echo=lambda s: print(s, flush=True),
+                                        channels_last=args.plain_channels_last))
             print(f"[{method}] platform run ({args.rounds} rounds) ...", flush=True)
             ours = run_platform(args, method, tmp)
             print(f"  platform rounds: {', '.join(f'{r:.1f}' for r in ours['round_s'])} s; startup {ours['startup_s']:.1f} s",
                   flush=True)
             print(f"[{method}] plain loop{' (after)' if args.bracket else ''} ...", flush=True)
-            plains.append(run_plain(cfg, device=args.device, echo=lambda s: print(s, flush=True)))
+            plains.append(run_plain(cfg, device=args.device, echo=lambda s: print(s, flush=True),
+                                        channels_last=args.plain_channels_last))
             plain = plains[-1]
         ours_med = statistics.median(ours["round_s"][1:] or ours["round_s"])
         plain_rounds = [r for p in plains for r in (p.round_s[1:] or p.round_s)]  # rounds 2..R of each plain run
