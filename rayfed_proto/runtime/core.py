@@ -72,15 +72,31 @@ def evaluate_global_model(model: torch.nn.Module, data: EvalSet, device: torch.d
     return out
 
 
+def memory_format(cfg: ExperimentConfig, device: torch.device) -> torch.memory_format:
+    """``training.memory_format`` for a client model on ``device``: channels_last (NHWC) on CPU
+    by default, where oneDNN's convolutions run about 15 % faster per SGD step for the FedAvg
+    CNN at batch 10 (bench/step_overhead.py); contiguous (NCHW) on GPU, where channels_last
+    pays only with mixed precision. Only 4-d weights (convolutions) change layout; the values,
+    the messages (weights travel as C-ordered arrays) and the checkpoints' contents do not."""
+    choice = cfg.training.memory_format
+    if choice == "auto":
+        choice = "channels_last" if device.type == "cpu" else "contiguous"
+    return torch.channels_last if choice == "channels_last" else torch.contiguous_format
+
+
 def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
-                    public_x: Optional[torch.Tensor] = None) -> FederationSpec:
-    """The spec both parts share; ``build_model`` only for single-architecture groups."""
+                    public_x: Optional[torch.Tensor] = None, device: Optional[torch.device] = None) -> FederationSpec:
+    """The spec both parts share; ``build_model`` only for single-architecture groups. With the
+    ``device`` the models will live on, they are built in ``training.memory_format``'s layout
+    (the server's global model is evaluated on the global test set every evaluated version)."""
     archs = MODEL_GROUPS.get(cfg.model.group)
     homogeneous = group_is_homogeneous(cfg.model.group, cfg.federation.num_clients)
     m = cfg.model
+    layout = memory_format(cfg, device) if device is not None else torch.contiguous_format
 
     def build_arch(arch: str, feature_dim: int = m.feature_dim) -> torch.nn.Module:
-        return build_model(arch, in_channels, image_size, num_classes, feature_dim, m.projector, m.normalize_features)
+        return build_model(arch, in_channels, image_size, num_classes, feature_dim, m.projector,
+                           m.normalize_features).to(memory_format=layout)
 
     return FederationSpec(
         num_clients=cfg.federation.num_clients, num_classes=num_classes, feature_dim=m.feature_dim,
@@ -98,18 +114,6 @@ def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> torch.optim
         opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
     opt.max_grad_norm = t.max_grad_norm  # read by algorithms.base.guarded_step
     return opt
-
-
-def memory_format(cfg: ExperimentConfig, device: torch.device) -> torch.memory_format:
-    """``training.memory_format`` for a client model on ``device``: channels_last (NHWC) on CPU
-    by default, where oneDNN's convolutions run about 15 % faster per SGD step for the FedAvg
-    CNN at batch 10 (bench/step_overhead.py); contiguous (NCHW) on GPU, where channels_last
-    pays only with mixed precision. Only 4-d weights (convolutions) change layout; the values,
-    the messages (weights travel as C-ordered arrays) and the checkpoints' contents do not."""
-    choice = cfg.training.memory_format
-    if choice == "auto":
-        choice = "channels_last" if device.type == "cpu" else "contiguous"
-    return torch.channels_last if choice == "channels_last" else torch.contiguous_format
 
 
 class ClientRunner:
@@ -408,15 +412,17 @@ class ServerCore:
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
                  device: torch.device, buffer_size: Optional[int], background: bool = False,
-                 global_test: Optional[EvalSet] = None, public_x: Optional[torch.Tensor] = None):
+                 global_test: Optional[EvalSet] = None, public_x: Optional[torch.Tensor] = None,
+                 eval_threads: Optional[int] = None):
         self.cfg = cfg
         self.device = device
+        self.eval_threads = eval_threads  # torch threads for the global-test evaluation (None: as set)
         self.global_test = global_test
         self.buffer_size = buffer_size
         self.background = background
         self.max_staleness = cfg.federation.max_staleness if cfg.federation.mode == "async" else math.inf
         self.max_version = cfg.federation.rounds
-        spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x)
+        spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x, device)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
         self.schema = UpdateSchema(spec.num_clients, num_classes, spec.feature_dim, self.algorithm.weight_shapes(),
                                    self.algorithm.extras_shapes())
@@ -438,7 +444,15 @@ class ServerCore:
         if self.global_test is None or not (version % fed.eval_every == 0 or version == fed.rounds):
             return {}
         model = self.algorithm.global_model()
-        return {} if model is None else evaluate_global_model(model, self.global_test, self.device)
+        if model is None:
+            return {}
+        threads = torch.get_num_threads()
+        if self.eval_threads:
+            torch.set_num_threads(self.eval_threads)
+        try:
+            return evaluate_global_model(model, self.global_test, self.device)
+        finally:
+            torch.set_num_threads(threads)
 
     def _broadcast(self, version: int) -> tuple[GlobalState, tuple[float, float]]:
         state = self.algorithm.broadcast(version)

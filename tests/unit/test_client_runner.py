@@ -148,3 +148,41 @@ def test_after_the_reset_the_first_step_is_a_plain_gradient_step():
     _, second = runner.train(GlobalState(version=1, weights=first.weights))
     for n, g in grads.items():
         np.testing.assert_allclose(second.weights[n], (start[n] - 0.01 * g).numpy(), rtol=1e-4, atol=1e-6)
+
+
+def _fedavg_runner(layout: str):
+    cfg = build_config({}, ["algorithm.name=fedavg", "federation.num_clients=2", "model.group=HtFE1", "data.image_size=16",
+                            "data.name=synthetic", "data.num_samples=200", "data.channels=3", "data.global_test_fraction=0",
+                            f"training.memory_format={layout}"])
+    ds = load_dataset(cfg.data, cfg.seed)
+    part = make_partition(ds, cfg.data.partition, 2, cfg.seed, cfg.data.test_fraction)
+    return ClientRunner(cfg, part.clients[0], ds, torch.device("cpu"))
+
+
+def test_memory_format_auto_is_channels_last_on_cpu_contiguous_on_gpu_and_a_bad_value_names_the_key():
+    from rayfed_proto.runtime.core import memory_format
+
+    cfg = build_config({}, [])
+    assert cfg.training.memory_format == "auto"
+    assert memory_format(cfg, torch.device("cpu")) == torch.channels_last
+    assert memory_format(cfg, torch.device("cuda")) == torch.contiguous_format
+    forced = build_config({}, ["training.memory_format=channels_last"])
+    assert memory_format(forced, torch.device("cuda")) == torch.channels_last
+    with pytest.raises(Exception, match="training.memory_format"):
+        build_config({}, ["training.memory_format=nhwc"])
+
+
+def test_channels_last_changes_the_layout_not_the_model():
+    nhwc, nchw = _fedavg_runner("auto"), _fedavg_runner("contiguous")
+    conv = next(m for m in nhwc.model.modules() if isinstance(m, torch.nn.Conv2d))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last) and not conv.weight.is_contiguous()
+    for a, b in zip(nhwc.model.state_dict().values(), nchw.model.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the same initial values, only laid out differently
+    _, ua = nhwc.train(GlobalState(version=0))
+    _, ub = nchw.train(GlobalState(version=0))
+    for k, w in ua.weights.items():  # uploads are ordinary C-ordered arrays, equal up to float rounding
+        assert w.flags["C_CONTIGUOUS"]
+        np.testing.assert_allclose(w, ub.weights[k], rtol=1e-4, atol=1e-5)
+    # a received global model (C-ordered arrays) keeps the client's layout
+    nhwc.train(GlobalState(version=1, weights=ub.weights))
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
