@@ -124,11 +124,9 @@ class ServerActor:
     through ``wait_versions``. In sync mode the driver calls ``step`` when a round is complete."""
 
     def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, buffer_size, torch_threads: int,
-                 dataset: ArrayDataset | None = None, global_test_idx=None, public_idx=None, sync_eval_threads: int = 1):
+                 dataset: ArrayDataset | None = None, global_test_idx=None, public_idx=None):
         """``dataset``: the object store's arrays (zero-copy), from which the server takes only what
-        it holds (global test set, public set); never read from disk here. ``sync_eval_threads``:
-        torch threads for the global-test evaluation in sync mode, where every worker waits for the
-        new version and its CPUs are idle (the run's CPUs, at most this node's)."""
+        it holds (global test set, public set); never read from disk here."""
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         self.device = pick_device()
@@ -142,10 +140,8 @@ class ServerActor:
             global_test = EvalSet.from_dataset(dataset, global_test_idx)
         if dataset is not None and public_idx is not None and len(public_idx):
             public_x = dataset.tensors(public_idx)[0]
-        eval_threads = min(sync_eval_threads, len(os.sched_getaffinity(0))) if buffer_size is None else None
         self.core = ServerCore(cfg, num_classes, in_channels, image_size, self.device, buffer_size,
-                               background=background, global_test=global_test, public_x=public_x,
-                               eval_threads=eval_threads)
+                               background=background, global_test=global_test, public_x=public_x)
         self._versions_cond = threading.Condition()
         self._new_versions: list[tuple[int, Any]] = []  # (version, state ref) not yet handed out
         self._stop = threading.Event()

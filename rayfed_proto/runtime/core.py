@@ -412,11 +412,9 @@ class ServerCore:
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
                  device: torch.device, buffer_size: Optional[int], background: bool = False,
-                 global_test: Optional[EvalSet] = None, public_x: Optional[torch.Tensor] = None,
-                 eval_threads: Optional[int] = None):
+                 global_test: Optional[EvalSet] = None, public_x: Optional[torch.Tensor] = None):
         self.cfg = cfg
         self.device = device
-        self.eval_threads = eval_threads  # torch threads for the global-test evaluation (None: as set)
         self.global_test = global_test
         self.buffer_size = buffer_size
         self.background = background
@@ -444,15 +442,7 @@ class ServerCore:
         if self.global_test is None or not (version % fed.eval_every == 0 or version == fed.rounds):
             return {}
         model = self.algorithm.global_model()
-        if model is None:
-            return {}
-        threads = torch.get_num_threads()
-        if self.eval_threads:
-            torch.set_num_threads(self.eval_threads)
-        try:
-            return evaluate_global_model(model, self.global_test, self.device)
-        finally:
-            torch.set_num_threads(threads)
+        return {} if model is None else evaluate_global_model(model, self.global_test, self.device)
 
     def _broadcast(self, version: int) -> tuple[GlobalState, tuple[float, float]]:
         state = self.algorithm.broadcast(version)

@@ -119,9 +119,7 @@ class ActorFleet:
             num_cpus=p.server_num_cpus, num_gpus=p.server_num_gpus,
             name=f"rayfed:{self.name}:server:{self.generation['server']}", **self._strategy(0)).remote(
             self.cfg_dict, *self.shape, fed.buffer_size if fed.mode == "async" else None, max(1, p.torch_threads),
-            self.data_ref, self.partition.global_test_idx, self.partition.public_idx,
-            # sync: the run's worker CPUs are idle while the server evaluates a new version
-            max(1, p.torch_threads, round(p.num_actors * p.client_num_cpus + p.server_num_cpus)))
+            self.data_ref, self.partition.global_test_idx, self.partition.public_idx)
         return self.handles["server"]
 
     def wait_started(self, timeout: float, progress: bool) -> None:
