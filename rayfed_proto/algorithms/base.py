@@ -166,26 +166,33 @@ class TrainPrototypes:
 
 class StepTally:
     """Applies local steps through :func:`guarded_step` and averages their loss terms over the
-    applied steps; skipped (non-finite) steps are counted as ``nonfinite_steps``."""
+    applied steps; skipped (non-finite) steps are counted as ``nonfinite_steps``.
+
+    Terms may be Python numbers or 0-d tensors; tensors are summed where they live and read once,
+    in :meth:`result`, so a loss that returns ``{"ce": ce.detach()}`` (not ``ce.item()``) adds no
+    host/device synchronisation to the step: the guarded step's finiteness check stays the only one.
+    """
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
+        self.totals: dict[str, float | torch.Tensor] = {}
         self.loss_sum: Optional[torch.Tensor] = None  # summed on the device: no sync per step
         self.steps = self.skipped = 0
 
-    def step(self, model, optimizer, loss: torch.Tensor, terms: dict[str, float]) -> bool:
+    def step(self, model, optimizer, loss: torch.Tensor, terms: dict[str, float | torch.Tensor]) -> bool:
         if not guarded_step(model, optimizer, loss):
             self.skipped += 1
             return False
         self.steps += 1
         self.loss_sum = loss.detach() if self.loss_sum is None else self.loss_sum + loss.detach()
         for k, v in terms.items():
-            self.totals[k] = self.totals.get(k, 0.0) + v
+            if isinstance(v, torch.Tensor):
+                v = v.detach()
+            self.totals[k] = v if k not in self.totals else self.totals[k] + v
         return True
 
     def result(self) -> dict[str, float]:
-        totals = {"loss": float(self.loss_sum) if self.loss_sum is not None else 0.0, **self.totals}
-        out = {k: v / max(self.steps, 1) for k, v in totals.items()}
+        totals = {"loss": self.loss_sum if self.loss_sum is not None else 0.0, **self.totals}
+        out = {k: float(v) / max(self.steps, 1) for k, v in totals.items()}
         out["nonfinite_steps"] = float(self.skipped)
         return out
 
@@ -226,7 +233,7 @@ class ClientAlgorithm:
         """Local objective on one mini-batch -> (loss, {term name: value})."""
         _, logits = model.forward_features(x)
         ce = torch.nn.functional.cross_entropy(logits, y)
-        return ce, {"ce": ce.item()}
+        return ce, {"ce": ce.detach()}  # read once per update by StepTally: no sync per step
 
     def prototype_source(self) -> str:
         """Where the uploaded prototypes come from: ``train`` (collected from the training forward

@@ -180,6 +180,22 @@ def alignment_loss(
     return (per_sample * keep).sum() / keep.sum().clamp(min=1.0)
 
 
+def masked_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over the rows where ``keep`` is true (0, still in the graph, when none
+    is). Weighting instead of selecting (``values[keep]``) reads nothing on the host: no
+    host/device synchronisation in a training step."""
+    w = keep.to(values.dtype)
+    return (values * w).sum() / w.sum().clamp(min=1.0)
+
+
+def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``F.cross_entropy(logits[keep], labels[keep])`` without selecting rows: the rows not kept
+    get neutral (zero) logits, so their loss and gradient stay finite even when ``logits`` hold
+    -inf columns, and weight 0 (:func:`masked_mean`)."""
+    logits = torch.where(keep.unsqueeze(1), logits, torch.zeros_like(logits))
+    return masked_mean(F.cross_entropy(logits, labels, reduction="none"), keep)
+
+
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels)
 

@@ -34,7 +34,7 @@ from pydantic import Field
 
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import Algorithm
-from rayfed_proto.algorithms.common import bank_tensors
+from rayfed_proto.algorithms.common import bank_tensors, masked_cross_entropy, masked_mean
 from rayfed_proto.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from rayfed_proto.messages import GlobalState, PrototypeSet
 
@@ -103,11 +103,9 @@ def compactness_loss(h: torch.Tensor, labels: torch.Tensor, anchors: torch.Tenso
         return h.sum() * 0.0
     if mask is None:
         mask = torch.ones(anchors.shape[0], dtype=torch.bool, device=h.device)
-    keep = mask[labels]
-    if not bool(keep.any()):
-        return h.sum() * 0.0
-    logits = (h[keep] @ anchors.T / tau).masked_fill(~mask.unsqueeze(0), float("-inf"))  # FedLSA Eq. 7: a_j^T h / tau
-    return F.cross_entropy(logits, labels[keep])  # FedLSA Eq. 8
+    keep = mask[labels]  # masked, not selected: no host read per step
+    logits = (h @ anchors.T / tau).masked_fill(~mask.unsqueeze(0), float("-inf"))  # FedLSA Eq. 7: a_j^T h / tau
+    return masked_cross_entropy(logits, labels, keep)  # FedLSA Eq. 8
 
 
 def anchor_l2_loss(h: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
@@ -117,10 +115,8 @@ def anchor_l2_loss(h: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
     if anchors.numel() == 0:
         return h.sum() * 0.0
     keep = mask[labels] if mask is not None else torch.ones_like(labels, dtype=torch.bool)
-    if not bool(keep.any()):
-        return h.sum() * 0.0
-    diff = h[keep] - anchors[labels[keep]]
-    return (diff * diff).sum(1).mean()
+    diff = h - anchors[labels]
+    return masked_mean((diff * diff).sum(1), keep)
 
 
 def train_anchors(mapping: AnchorMapping, optimizer: torch.optim.Optimizer, head_weight: torch.Tensor,
@@ -259,7 +255,7 @@ class FedLSAClient(FedAvgClient):
             else:
                 com = compactness_loss(h_unit, y, anchors, self.options.tau, mask)  # FedLSA Eq. 8
         total = ce + lam * com if lam > 0 else ce  # FedLSA Eq. 10: L_HC = L_CE + lambda L_COM
-        return total, {"ce": ce.item(), "com": com.item()}
+        return total, {"ce": ce.detach(), "com": com.detach()}
 
     def inference_bank(self) -> Optional[PrototypeSet]:
         return self.guidance  # nearest anchor (unit h and unit anchors: nearest = most cosine-similar)

@@ -41,7 +41,7 @@ class PrototypeAlignmentClient(ClientAlgorithm):
         targets, mask = bank_tensors(self.guidance, self.spec.num_classes, feats.device)
         align = alignment_loss(feats, y, targets, mask, self.options.alignment_reduction)  # L_R, FedSA Eq. 4
         lam = self.options.alignment_weight(self.version)  # constant, or the curriculum of FedSAP Eq. 7
-        return ce + lam * align, {"ce": ce.item(), "align": align.item()}
+        return ce + lam * align, {"ce": ce.detach(), "align": align.detach()}
 
 
 @ALGORITHMS.register("fedproto", help="FedProto: align features to aggregated class prototypes")

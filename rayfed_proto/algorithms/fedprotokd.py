@@ -302,11 +302,11 @@ class FedProtoKDClient(ClientAlgorithm):
         feats, logits = model.forward_features(x)
         ce = F.cross_entropy(logits, y)  # FedProtoKD Eq. 2
         if self.version == 0 or self.guidance is None or len(self.guidance) == 0:
-            return ce, {"ce": ce.item(), "mse": 0.0}  # version 0: Eq. 2 only
+            return ce, {"ce": ce.detach(), "mse": 0.0}  # version 0: Eq. 2 only
         targets, mask = bank_tensors(self.guidance, self.spec.num_classes, feats.device)
         mse = alignment_loss(feats, y, targets, mask, self.options.alignment_reduction)  # MSE(V(x), P~^y)
         eps = self.options.alignment_weight(self.version)
-        return ce + eps * mse, {"ce": ce.item(), "mse": mse.item()}  # FedProtoKD Eq. 15
+        return ce + eps * mse, {"ce": ce.detach(), "mse": mse.detach()}  # FedProtoKD Eq. 15
 
     def distill(self, model, optimizer, generator: torch.Generator, batch_size: int, device) -> dict[str, float]:
         """Eq. 13-14 on the public set against the server's logits; {} when there are none."""
@@ -321,7 +321,7 @@ class FedProtoKDClient(ClientAlgorithm):
                 teacher = self.server_logits[idx].to(device)
                 optimizer.zero_grad(set_to_none=True)
                 loss, kl, ce = client_distill_loss(model.forward_features(xb)[1], teacher, opts.gamma, opts.kd_temperature)
-                tally.step(model, optimizer, loss, {"kl": kl.item(), "ce": ce.item()})
+                tally.step(model, optimizer, loss, {"kl": kl.detach(), "ce": ce.detach()})
         return {f"distill_{k}": v for k, v in tally.result().items()}
 
     def local_train(self, model, optimizer, batches: TrainBatchIterator, epochs: int, device) -> dict[str, float]:

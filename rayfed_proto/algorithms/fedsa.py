@@ -49,6 +49,8 @@ from rayfed_proto.algorithms.common import (
     aggregate_prototypes,
     alignment_loss,
     bank_tensors,
+    masked_cross_entropy,
+    masked_mean,
     safe_cdist,
 )
 from rayfed_proto.messages import GlobalState, PrototypeSet
@@ -121,16 +123,16 @@ def mcl_loss(features: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor
     ``mask`` (C,) marks the classes that have an anchor (all of them in FedSA); absent classes
     are left out of the softmax and samples of absent classes are skipped.
     """
+    if anchors.numel() == 0:
+        return features.sum() * 0.0
     if mask is None:
         mask = torch.ones(anchors.shape[0], dtype=torch.bool, device=features.device)
-    keep = mask[labels] if anchors.numel() else torch.zeros_like(labels, dtype=torch.bool)
-    if not bool(keep.any()):
-        return features.sum() * 0.0
-    feats, labels = features[keep], labels[keep]
-    dist = safe_cdist(feats, anchors)
+    keep = mask[labels]  # masked, not selected: no host read per step
+    dist = safe_cdist(features, anchors)
     dist = dist + margin * F.one_hot(labels, anchors.shape[0]).to(dist.dtype)  # FedSA Eq. 7: d(P, A^c) + d_i^* on the true class
     logits = (-dist).masked_fill(~mask.unsqueeze(0), float("-inf"))
-    return F.cross_entropy(logits, labels)  # FedSA Eq. 7: -log e^{-(d + m)} / (e^{-(d + m)} + sum_{c'} e^{-d(P, A^c')})
+    # FedSA Eq. 7: -log e^{-(d + m)} / (e^{-(d + m)} + sum_{c'} e^{-d(P, A^c')}), mean over the samples with an anchor
+    return masked_cross_entropy(logits, labels, keep)
 
 
 def classifier_calibration_loss(head: torch.nn.Module, anchors: torch.Tensor,
@@ -140,13 +142,14 @@ def classifier_calibration_loss(head: torch.nn.Module, anchors: torch.Tensor,
     The anchors are detached, so the gradient reaches the head only, never the feature
     extractor or the anchors.
     """
-    ids = torch.arange(anchors.shape[0], device=anchors.device)
-    if mask is not None:
-        ids = ids[mask]
-    if len(ids) == 0 or anchors.numel() == 0:
+    if anchors.numel() == 0:
         return sum(p.sum() for p in head.parameters()) * 0.0
-    logits = head(anchors[ids].detach())  # FedSA Eq. 8: phi_{i,j}^T A^c
-    return F.cross_entropy(logits, ids)  # FedSA Eq. 8: -(1/C) sum_c log softmax_c
+    ids = torch.arange(anchors.shape[0], device=anchors.device)
+    logits = head(anchors.detach())  # FedSA Eq. 8: phi_{i,j}^T A^c
+    per_class = F.cross_entropy(logits, ids, reduction="none")  # FedSA Eq. 8: -log softmax_c
+    if mask is None:
+        return per_class.mean()  # FedSA Eq. 8: (1/C) sum_c
+    return masked_mean(per_class, mask)  # over the classes with an anchor (0 if none); no host read per step
 
 
 @torch.no_grad()
@@ -282,7 +285,7 @@ class FedSAClient(ClientAlgorithm):
             total = total + opts.lambda2 * mcl  # FedSA Eq. 9: + lambda2 L_MCL
         if opts.lambda3 > 0:
             total = total + opts.lambda3 * cc  # FedSA Eq. 9: + lambda3 L_CC
-        return total, {"ce": ce.item(), "r": r.item(), "mcl": mcl.item(), "cc": cc.item()}
+        return total, {"ce": ce.detach(), "r": r.detach(), "mcl": mcl.detach(), "cc": cc.detach()}
 
     def make_update(self, model, x, y):
         update = super().make_update(model, x, y)

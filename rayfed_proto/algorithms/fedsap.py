@@ -83,7 +83,7 @@ from rayfed_proto.algorithms.base import (
     StepTally,
     TrainBatchIterator,
 )
-from rayfed_proto.algorithms.common import alignment_loss, bank_tensors
+from rayfed_proto.algorithms.common import alignment_loss, bank_tensors, masked_cross_entropy
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
 from rayfed_proto.messages import ClientUpdate, PrototypeSet
 
@@ -156,13 +156,9 @@ def proxy_loss(features: torch.Tensor, labels: torch.Tensor, bank: torch.Tensor,
     """
     if bank.numel() == 0:
         return features.sum() * 0.0
-    keep = mask[labels]
-    if not bool(keep.any()):
-        return features.sum() * 0.0
-    present = torch.nonzero(mask).squeeze(1)
-    position = torch.cumsum(mask.long(), 0) - 1  # class id -> column among the present classes
-    logits = proxy_logits(features[keep], bank[present], scale)
-    return F.cross_entropy(logits, position[labels[keep]])  # FedSAP Eq. 9: -log softmax_y over present classes
+    keep = mask[labels]  # masked, not selected: no host read per step
+    logits = proxy_logits(features, bank, scale).masked_fill(~mask.unsqueeze(0), float("-inf"))  # absent classes out
+    return masked_cross_entropy(logits, labels, keep)  # FedSAP Eq. 9: -log softmax_y over present classes
 
 
 # ----------------------------------------------------------------------------- semi-supervised (Sec. 3.6)
@@ -337,7 +333,7 @@ class FedSAPClient(ClientAlgorithm):
         else:
             proxy = ce.new_zeros(())
         total = ce + lam * proto + proxy  # FedSAP Eq. 3
-        return total, {"ce": ce.item(), "proto": proto.item(), "proxy": proxy.item()}
+        return total, {"ce": ce.detach(), "proto": proto.detach(), "proxy": proxy.detach()}
 
     # -- semi-supervised ---------------------------------------------------------------------------
     def _sources(self, x: torch.Tensor, y: torch.Tensor):
@@ -421,7 +417,7 @@ class FedSAPClient(ClientAlgorithm):
                     correct += int((pseudo[ok] == hidden_y[ok]).sum())
                     for i, p, a in zip(idx.tolist(), pseudo.tolist(), ok.tolist(), strict=True):
                         decisions[i] = p if a else -1
-                    terms["cons"] = cons.item()
+                    terms["cons"] = cons.detach()
                 else:
                     terms["cons"] = 0.0
                 tally.step(model, optimizer, loss, terms)

@@ -45,7 +45,14 @@ from pydantic import Field
 
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import Algorithm
-from rayfed_proto.algorithms.common import PrototypeBank, bank_tensors, local_prototypes, safe_cdist, staleness_weight
+from rayfed_proto.algorithms.common import (
+    PrototypeBank,
+    bank_tensors,
+    local_prototypes,
+    masked_mean,
+    safe_cdist,
+    staleness_weight,
+)
 from rayfed_proto.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
 
@@ -168,15 +175,15 @@ def rpcl_loss(z: torch.Tensor, labels: torch.Tensor, rel: torch.Tensor, rel_labe
     if rel.numel() == 0:
         return z.sum() * 0.0
     positive = labels.unsqueeze(1) == rel_labels.unsqueeze(0)  # (B, m): r in R^{y_i}
-    keep = positive.any(1)
-    if not bool(keep.any()):
-        return z.sum() * 0.0
+    keep = positive.any(1)  # masked, not selected: no host read per step
     u = safe_cdist(z.detach(), rel).mean(0).clamp_min(1e-12)  # FedSC Eq. 13: U = mean_q ||z_q - r||
     cos = F.normalize(z, dim=1) @ F.normalize(rel, dim=1).T
     logits = cos / u.unsqueeze(0) / tau  # FedSC Eq. 13-14: s(z, r) / tau
+    # rows without a positive get an arbitrary one (column 0) so that pos stays finite; they weigh 0
+    positive = positive | (~keep).unsqueeze(1) & (torch.arange(len(rel), device=z.device) == 0).unsqueeze(0)
     pos = torch.logsumexp(logits.masked_fill(~positive, float("-inf")), dim=1)  # log sum_{R^j} e^{s/tau}
     every = torch.logsumexp(logits, dim=1)  # log (sum_{R^j} + sum_{R^{N_j}}) e^{s/tau}
-    return (every - pos)[keep].mean()  # FedSC Eq. 14
+    return masked_mean(every - pos, keep)  # FedSC Eq. 14
 
 
 def cpdr_loss(z: torch.Tensor, labels: torch.Tensor, consistent: torch.Tensor, mask: torch.Tensor,
@@ -185,13 +192,11 @@ def cpdr_loss(z: torch.Tensor, labels: torch.Tensor, consistent: torch.Tensor, m
     ``mean`` divides by D."""
     if consistent.numel() == 0:
         return z.sum() * 0.0
-    keep = mask[labels]
-    if not bool(keep.any()):
-        return z.sum() * 0.0
-    per_sample = (z[keep] - consistent[labels[keep]]).abs().sum(1)  # FedSC Eq. 15
+    keep = mask[labels]  # masked, not selected: no host read per step
+    per_sample = (z - consistent[labels]).abs().sum(1)  # FedSC Eq. 15
     if reduction == "mean":
         per_sample = per_sample / z.shape[1]
-    return per_sample.mean()
+    return masked_mean(per_sample, keep)
 
 
 # ----------------------------------------------------------------------------- server and client
@@ -317,7 +322,7 @@ class FedSCClient(FedAvgClient):
             total = total + o.rpcl_weight * rpcl
         if o.cpdr_weight > 0:
             total = total + o.cpdr_weight * cpdr
-        return total, {"ce": ce.item(), "rpcl": rpcl.item(), "cpdr": cpdr.item()}
+        return total, {"ce": ce.detach(), "rpcl": rpcl.detach(), "cpdr": cpdr.detach()}
 
     def make_update(self, model, x, y) -> ClientUpdate:
         update = super().make_update(model, x, y)  # weights (FedAvg path)

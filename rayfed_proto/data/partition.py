@@ -122,7 +122,7 @@ class Partition:
         return np.stack([np.bincount(self.labels[self._indices(c, split)], minlength=self.num_classes)
                          for c in self.clients]).astype(np.int64)
 
-    def to_table(self) -> "pyarrow.Table":  # noqa: F821 (imported when called: workers never need pyarrow)
+    def to_table(self) -> pyarrow.Table:  # noqa: F821 (imported when called: workers never need pyarrow)
         """One row per (client, sample): client_id int32, sample_index int64, split, label int64.
 
         Holdout samples follow the clients' rows, with client_id -1 and split ``global_test``

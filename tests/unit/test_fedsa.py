@@ -300,7 +300,7 @@ def test_zero_lambda_removes_the_term_but_still_logs_it():
     client3.loss(model3, X, Y)[0].backward()
     assert not torch.allclose(model3.head.weight.grad, ce_grad)
     client2, model2 = client_with(version=1, lam=0.0, lambda2=1.0, lambda3=0.0)
-    assert client2.loss(model2, X, Y)[0].item() == pytest.approx(math.log(3) + terms["mcl"], rel=1e-5)
+    assert client2.loss(model2, X, Y)[0].item() == pytest.approx(math.log(3) + float(terms["mcl"]), rel=1e-5)
 
 
 def test_alignment_schedule_scales_l_r_only():
@@ -308,10 +308,10 @@ def test_alignment_schedule_scales_l_r_only():
     kw = dict(lam=0.7, lambda2=0.5, lambda3=0.0, alignment_reduction="sum", alignment_schedule=sched)
     early, model = client_with(version=10, **kw)
     loss, terms = early.loss(model, X, Y)
-    assert loss.item() == pytest.approx(math.log(3) + 0.5 * terms["mcl"], rel=1e-5)  # before the ramp: no L_R, L_MCL stays
+    assert loss.item() == pytest.approx(math.log(3) + 0.5 * float(terms["mcl"]), rel=1e-5)  # before the ramp: no L_R, L_MCL stays
     mid, model = client_with(version=60, **kw)
     loss, terms = mid.loss(model, X, Y)
-    assert loss.item() == pytest.approx(math.log(3) + 0.35 * R_SUM + 0.5 * terms["mcl"], rel=1e-5)  # 0.7 * 0.5
+    assert loss.item() == pytest.approx(math.log(3) + 0.35 * R_SUM + 0.5 * float(terms["mcl"]), rel=1e-5)  # 0.7 * 0.5
 
 
 def test_client_without_anchors_trains_on_ce_only():

@@ -180,3 +180,78 @@ def test_parked_clients_hold_no_model_and_train_exactly_as_live_ones(fed):
     _, ul = live.train(0, state)
     _, ur = restored.train(0, state)
     assert np.array_equal(ul.prototypes.vectors, ur.prototypes.vectors)
+
+
+def test_tally_sums_tensor_terms_on_the_device_and_reads_them_once():
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    tally = StepTally()
+    for v in (1.0, 3.0):
+        loss = model.head(model.features(torch.tensor([[v, 0.0]]))).sum()
+        tally.step(model, opt, loss, {"ce": torch.tensor(2 * v, requires_grad=True), "n": v})
+    assert isinstance(tally.totals["ce"], torch.Tensor) and not tally.totals["ce"].requires_grad  # not read yet
+    assert tally.result() == {"loss": 2.0, "ce": 4.0, "n": 2.0, "nonfinite_steps": 0.0}
+
+
+class _SyncCounter:
+    """Counts the ways a tensor's value reaches Python (each one a host/device sync on a GPU)."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+            original = getattr(torch.Tensor, name)
+
+            def counted(self_tensor, *a, _original=original, **k):
+                self.count += 1
+                return _original(self_tensor, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedproto", "fedtgp", "fedsa", "fedsap", "fedlsa", "fedsc", "fedprotokd"])
+def test_a_local_update_reads_at_most_one_value_per_step(method, monkeypatch):
+    """Issue 11: at most one host/device synchronisation per step. The loss terms are summed on
+    the device (StepTally) and only the guarded step's finiteness check reads a value each step;
+    an update may read a few more once (the averaged terms, the prototype counts)."""
+    from rayfed_proto.algorithms import ALGORITHMS
+    from rayfed_proto.runtime.core import federation_spec
+
+    cfg = build_config({}, [f"algorithm.name={method}", "federation.num_clients=4", "model.feature_dim=16",
+                            "data.partition.beta=1.0", "data.image_size=16", "model.group=HtFE1",
+                            "training.local_epochs=3", "data.public_size=200"])
+    ds = load_dataset(cfg.data, cfg.seed)
+    part = make_partition(ds, cfg.data.partition, 4, cfg.seed, cfg.data.test_fraction, public_size=cfg.data.public_size)
+    cpu = torch.device("cpu")
+    spec = federation_spec(cfg, ds.num_classes, ds.channels, ds.image_size,
+                           ds.tensors(part.public_idx)[0] if len(part.public_idx) else None)
+    server = ALGORITHMS.get(method).Server(cfg.algorithm_options(), spec, cpu)
+    runner = ClientRunner(cfg, part.clients[0], ds, cpu, spec.public_x)
+    _, first = runner.train(server.broadcast(0))
+    server.aggregate([first], [1.0], 1)
+    state = server.broadcast(1)  # with a bank / weights / anchors: the method's full local loss
+    steps = cfg.training.local_epochs * -(-len(part.clients[0].train_idx) // cfg.training.batch_size)
+    counter = _SyncCounter(monkeypatch)
+    runner.train(state)
+    assert counter.count <= steps + 30, f"{method}: {counter.count} value reads in {steps} steps"
+
+
+def test_masked_losses_equal_the_selected_rows_and_keep_gradients_finite():
+    """The masked forms that replaced ``x[keep]`` selection give the same value as the selection,
+    and the rows left out (neutral logits, weight 0) get zero, finite gradients even where their
+    class's logit is -inf."""
+    from rayfed_proto.algorithms.common import masked_cross_entropy, masked_mean
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 4, generator=gen, requires_grad=True)
+    labels = torch.tensor([0, 1, 3, 3, 2, 0])
+    present = torch.tensor([True, True, False, True])  # class 2 has no prototype
+    keep = present[labels]
+    masked = logits.masked_fill(~present.unsqueeze(0), float("-inf"))
+    got = masked_cross_entropy(masked, labels, keep)
+    want = torch.nn.functional.cross_entropy(masked[keep], labels[keep])
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)
+    got.backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[4].abs().sum() == 0  # sample 4 (class 2) left out
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert masked_mean(values, torch.tensor([True, False, True, False])).item() == pytest.approx(2.0)
+    assert masked_mean(values, torch.zeros(4, dtype=torch.bool)).item() == 0.0  # none kept: 0, not NaN
