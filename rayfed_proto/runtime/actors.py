@@ -213,6 +213,7 @@ class ServerActor:
         of the current version (global_acc...), for MLflow model logging."""
         import copy
 
+        self.core.settle()
         with self.core.step_lock:
             model = self.core.algorithm.global_model()
             model = None if model is None else copy.deepcopy(model).cpu().eval()

@@ -7,10 +7,12 @@ tested in-process. Nothing here names an algorithm: the registry resolves ``algo
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -285,7 +287,6 @@ class ClientHost:
     def export_model(self, c: int, state: GlobalState) -> tuple[torch.nn.Module, dict[str, Any]]:
         """A CPU copy of client ``c``'s model as an evaluation against ``state`` scores it, with that
         evaluation (MLflow model logging); a parked client is left as it was."""
-        import copy
 
         try:
             runner = self._runner(c)
@@ -431,18 +432,41 @@ class ServerCore:
         self.counters = ServerCounters()
         self.margins: dict[int, tuple[float, float]] = {}
         self.version_metrics: dict[int, dict[str, float]] = {}  # server-side metrics of each version
+        self._evaluator: Optional[ThreadPoolExecutor] = None  # the global-test evaluations' thread
+        self.pending_evals: dict[int, Future] = {}  # version -> its global-test evaluation, running
         self.state, self.margins[0] = self._broadcast(0)
-        self.version_metrics[0] = self._global_eval(0)
+        self.version_metrics[0] = {}
+        self._start_global_eval(0)
 
-    def _global_eval(self, version: int) -> dict[str, float]:
+    def _start_global_eval(self, version: int) -> None:
         """Global-test-set accuracy of the server's model at an evaluated version (methods with a
-        global model and a run with data.global_test_fraction > 0); empty otherwise. Computed here,
-        right after the version is produced, so it is exactly that version's model."""
+        global model and a run with data.global_test_fraction > 0), merged into that version's
+        metrics when done. A copy of the model is taken now, right after the version is produced,
+        so the figure is exactly that version's; the evaluation itself runs on a thread of its
+        own, so the new version is handed out at once and the next round trains while the server
+        evaluates (in a sync round it used to hold every worker idle for its duration).
+        :meth:`settle` waits for it; whoever reads or saves a version's metrics calls it."""
         fed = self.cfg.federation
         if self.global_test is None or not (version % fed.eval_every == 0 or version == fed.rounds):
-            return {}
+            return
         model = self.algorithm.global_model()
-        return {} if model is None else evaluate_global_model(model, self.global_test, self.device)
+        if model is None:
+            return
+        if self._evaluator is None:
+            self._evaluator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="global-eval")
+        self.pending_evals[version] = self._evaluator.submit(
+            evaluate_global_model, copy.deepcopy(model), self.global_test, self.device)
+
+    def settle(self, version: Optional[int] = None) -> None:
+        """Wait for the global-test evaluation of ``version`` (all pending ones when None) and
+        merge its result into ``version_metrics``. An evaluation that failed raises here."""
+        with self.cond:
+            versions = list(self.pending_evals) if version is None else [version]
+            futures = [(v, self.pending_evals.pop(v)) for v in versions if v in self.pending_evals]
+        for v, future in futures:
+            result = future.result()  # outside the lock: intake goes on meanwhile
+            with self.cond:
+                self.version_metrics.setdefault(v, {}).update(result)
 
     def _broadcast(self, version: int) -> tuple[GlobalState, tuple[float, float]]:
         state = self.algorithm.broadcast(version)
@@ -524,21 +548,20 @@ class ServerCore:
                 self.counters.rolled_back += 1
             log.warning("version %d produced a non-finite global state: rolled back, %d updates discarded",
                         new_version, len(updates))
-        dt = time.perf_counter() - t0  # server training time; the evaluation below is not part of it
-        metrics = {**metrics, **self._global_eval(new_version)}
+        dt = time.perf_counter() - t0  # server training time; the global-test evaluation is not part of it
         with self.cond:
             self.version, self.state = new_version, state
             self.margins[new_version] = margin
             self.version_metrics[new_version] = dict(metrics)
             self.counters.server_train_s += dt
+            self._start_global_eval(new_version)
             self.cond.notify_all()
         return {"new_version": new_version, "state": state, "aggregated": len(taken), "server_s": dt,
                 "server_metrics": dict(metrics)}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue from here (for checkpoints): plain dicts and arrays."""
-        import copy
-
+        self.settle()  # every version's metrics complete in the checkpoint
         with self.step_lock, self.cond:  # a deep copy: the caller may serialise it while training goes on
             return copy.deepcopy(self._state_dict())
 
@@ -552,6 +575,7 @@ class ServerCore:
                 "version_metrics": {int(v): dict(m) for v, m in self.version_metrics.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.settle()  # nothing of the replaced history may land after the restore
         with self.step_lock, self.cond:
             self._load_state_dict(state)
 
@@ -569,10 +593,17 @@ class ServerCore:
         """Counters for the driver; the staleness window restarts at each read.
 
         Margins and server metrics are those of ``version`` (default: the current one): a read
-        queued behind later submissions must not report the next version's aggregation.
+        queued behind later submissions must not report the next version's aggregation. The
+        counters are read at once; the server metrics once that version's global-test evaluation
+        is done (:meth:`settle`).
         """
         with self.cond:
-            return self._read_stats(self.version if version is None else version)
+            version = self.version if version is None else version
+            stats = self._read_stats(version)
+        self.settle(version)
+        with self.cond:
+            stats["server_metrics"] = dict(self.version_metrics.get(version, {}))
+        return stats
 
     def _read_stats(self, version: int) -> dict[str, Any]:
         c = self.counters

@@ -51,21 +51,55 @@ def test_server_core_logs_global_accuracy_at_evaluated_versions_only():
     torch.manual_seed(0)
     data = EvalSet(torch.randn(10, 1, 8, 8), torch.randint(0, 3, (10,)), np.array([0] * 5 + [1] * 5), ["d0", "d1"])
     core = _fedavg_core(data)
-    assert set(core.version_metrics[0]) == {"global_acc", "global_acc_d0", "global_acc_d1", "global_acc_domain_mean"}
+    metrics = lambda v: core.read_stats(v)["server_metrics"]  # noqa: E731 (waits for that version's evaluation)
+    assert set(metrics(0)) == {"global_acc", "global_acc_d0", "global_acc_d1", "global_acc_domain_mean"}
     weights = {k: v.copy() for k, v in core.state.weights.items()}
     for _ in range(3):
         for c in (0, 1):
             core.submit(ClientUpdate(c, core.version, 5, weights=weights))
         core.step()
     # eval_every 2 and the last version (3): versions 2 and 3 evaluated, 1 not
-    assert "global_acc" not in core.version_metrics[1]
-    assert "global_acc" in core.version_metrics[2] and "global_acc" in core.version_metrics[3]
+    assert "global_acc" not in metrics(1)
+    assert "global_acc" in metrics(2) and "global_acc" in metrics(3)
     # the global model is the untouched average of identical weights: same accuracy every time
-    assert core.version_metrics[3]["global_acc"] == core.version_metrics[0]["global_acc"]
+    assert metrics(3)["global_acc"] == metrics(0)["global_acc"]
+
+
+def test_global_evaluation_runs_beside_the_next_round_on_its_versions_model(monkeypatch):
+    """A step hands out its version without waiting for the global-test evaluation (which used
+    to hold a sync round's workers idle), and the evaluation scores a copy of that version's
+    model even when it runs after the server has moved on."""
+    import threading
+
+    import rayfed_proto.runtime.core as core_module
+
+    release, seen = threading.Event(), {}
+
+    def slow_eval(model, data, device):
+        release.wait(timeout=30)
+        return {"global_acc": float(model.head.bias[0].detach())}  # which weights it was given
+
+    monkeypatch.setattr(core_module, "evaluate_global_model", slow_eval)
+    data = EvalSet(torch.randn(4, 1, 8, 8), torch.randint(0, 3, (4,)))
+    core = _fedavg_core(data)
+    for version in (1, 2, 3):
+        weights = {k: v.copy() for k, v in core.state.weights.items()}
+        weights["head.bias"][:] = version  # each version's model is told apart by its head bias
+        for c in (0, 1):
+            core.submit(ClientUpdate(c, core.version, 5, weights=weights))
+        seen[version] = core.step()["new_version"]  # returns while version 0's evaluation still waits
+    assert not release.is_set() and core.version == 3 and seen == {1: 1, 2: 2, 3: 3}
+    assert set(core.pending_evals) == {0, 2, 3}
+    release.set()
+    assert core.read_stats(2)["server_metrics"]["global_acc"] == 2.0
+    assert core.read_stats(3)["server_metrics"]["global_acc"] == 3.0
+    core.settle()
+    assert core.pending_evals == {} and core.state_dict()["version_metrics"][3]["global_acc"] == 3.0
 
 
 def test_no_global_test_set_no_global_metrics():
-    assert _fedavg_core(None).version_metrics[0] == {}
+    core = _fedavg_core(None)
+    assert core.read_stats(0)["server_metrics"] == {} and core.pending_evals == {}
 
 
 def test_required_extras_are_checked_at_the_border():
