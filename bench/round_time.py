@@ -9,10 +9,14 @@ each client in turn trains, collects its prototypes, is evaluated; torch's defau
 then the platform (a fresh `rayfed-proto run` process, default resources: `clients_per_actor:
 auto`), then the plain loop again; the ratio is the platform's median round over rounds 2..R
 against the median of both plain runs' rounds 2..R (``--no-bracket``: one plain run, after).
+``--reference htfllib`` (or ``both``) measures against HtFLlib/PFLlib's own loop instead (or too):
+`bench/_htfllib.py`, their per-sample Python loops, DataLoaders and evaluate-before-train order on the
+same workload, run once after the platform; its ratio is the platform's median over its median, rounds 2..R.
 
     .venv/bin/python bench/round_time.py --out bench/results/round_time            # both methods, 10 rounds
     .venv/bin/python bench/round_time.py --methods fedproto --rounds 3 --samples 10000   # a quick look
     .venv/bin/python bench/round_time.py --device cuda                               # on a GPU machine
+    .venv/bin/python bench/round_time.py --reference both                            # and HtFLlib's loop
 
 Startup: the platform's is from its process start to the first local update returned (metric
 `startup_s`: Ray start, actors, data into the object store, model builds); the plain loop's is
@@ -30,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _htfllib import run_htfllib  # noqa: E402
 from _plain import run_plain, write_results  # noqa: E402
 
 
@@ -74,6 +79,72 @@ def run_platform(args, method: str, tmp: Path) -> dict:
             "utilisation": float(hist["federation/slot_utilisation"].iloc[-1])}
 
 
+COLS = ["method", "rounds", "platform_round_s", "plain_round_s", "ratio", "platform_startup_s", "plain_startup_s",
+        "platform_head_acc", "plain_head_acc", "acc_diff_pp", "platform_actors", "htfllib_round_s", "htfllib_ratio",
+        "htfllib_head_acc"]
+
+
+def _measure(args, method: str):
+    """(platform, plain runs, HtFLlib run or None): the plain loop before (``--bracket``) and after the
+    platform, the HtFLlib loop once after it, each as ``--reference`` asks."""
+    from rayfed_proto.config import build_config
+
+    echo = lambda s: print(s, flush=True)  # noqa: E731
+    use_plain = args.reference in ("plain", "both")
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        cfg = build_config({}, workload(args, method, tmp))
+        plains = []
+        if use_plain and args.bracket:  # the plain loop before and after the platform: a slow phase of the machine
+            print(f"[{method}] plain loop (before) ...", flush=True)  # cannot land on one side only
+            plains.append(run_plain(cfg, device=args.device, echo=echo, channels_last=args.plain_channels_last))
+        print(f"[{method}] platform run ({args.rounds} rounds) ...", flush=True)
+        ours = run_platform(args, method, tmp)
+        print(f"  platform rounds: {', '.join(f'{r:.1f}' for r in ours['round_s'])} s; startup {ours['startup_s']:.1f} s",
+              flush=True)
+        if use_plain:
+            print(f"[{method}] plain loop{' (after)' if args.bracket else ''} ...", flush=True)
+            plains.append(run_plain(cfg, device=args.device, echo=echo, channels_last=args.plain_channels_last))
+        ht = None
+        if args.reference in ("htfllib", "both"):
+            print(f"[{method}] HtFLlib loop ...", flush=True)
+            ht = run_htfllib(cfg, device=args.device, echo=echo)
+    return ours, plains, ht
+
+
+def _plain_fields(ours: dict, ours_med: float, plains: list) -> dict:
+    plain = plains[-1]
+    plain_med = statistics.median([r for p in plains for r in (p.round_s[1:] or p.round_s)])  # rounds 2..R of each
+    return {"plain_round_s": round(plain_med, 2), "ratio": round(ours_med / plain_med, 3),
+            "plain_startup_s": round(plain.startup_s, 1), "plain_head_acc": round(plain.head_acc[-1], 4),
+            "acc_diff_pp": round(100 * (ours["head_acc"] - plain.head_acc[-1]), 2),
+            "plain_rounds_s": [[round(r, 2) for r in p.round_s] for p in plains]}
+
+
+def _htfllib_fields(ours_med: float, ht) -> dict:
+    ht_med = ht.median_round()  # rounds 2..R
+    return {"htfllib_round_s": round(ht_med, 2), "htfllib_ratio": round(ours_med / ht_med, 3),
+            "htfllib_head_acc": round(ht.head_acc[-1], 4), "htfllib_rounds_s": [round(r, 2) for r in ht.round_s]}
+
+
+def _row(args, method: str, ours: dict, plains: list, ht) -> dict:
+    ours_med = statistics.median(ours["round_s"][1:] or ours["round_s"])
+    r = {"method": method, "rounds": args.rounds, "platform_round_s": round(ours_med, 2),
+         "platform_startup_s": round(ours["startup_s"], 1), "platform_head_acc": round(ours["head_acc"], 4),
+         "platform_actors": ours["num_actors"], "platform_utilisation": round(ours["utilisation"], 3),
+         "platform_rounds_s": [round(x, 2) for x in ours["round_s"]]}
+    head = f"[{method}] median round (2..{args.rounds}): platform {r['platform_round_s']} s"
+    if plains:
+        r.update(_plain_fields(ours, ours_med, plains))
+        print(f"{head}, plain {r['plain_round_s']} s, ratio {r['ratio']}; head acc {r['platform_head_acc']} vs "
+              f"{r['plain_head_acc']} ({r['acc_diff_pp']:+} pp)", flush=True)
+    if ht is not None:
+        r.update(_htfllib_fields(ours_med, ht))
+        print(f"{head}, HtFLlib loop {r['htfllib_round_s']} s, ratio {r['htfllib_ratio']}; head acc "
+              f"{r['platform_head_acc']} vs {r['htfllib_head_acc']}", flush=True)
+    return r
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", nargs="+", default=["fedproto", "fedavg"])
@@ -89,6 +160,9 @@ def main() -> None:
     ap.add_argument("--plain-channels-last", action="store_true",
                     help="the plain loop's models in channels_last (the platform's CPU default, training.memory_format) "
                     "instead of HtFLlib's contiguous layout: what the ratio owes to the layout alone")
+    ap.add_argument("--reference", choices=["plain", "htfllib", "both"], default="plain",
+                    help="the loop(s) the platform is measured against: bench/_plain.py's (bracketed), "
+                    "bench/_htfllib.py's HtFLlib/PFLlib loop (once, after the platform), or both")
     args = ap.parse_args()
     if args.device == "cuda":
         import torch
@@ -96,43 +170,8 @@ def main() -> None:
         if not torch.cuda.is_available():
             print("round_time --device cuda: no CUDA GPU on this machine; nothing was measured.")
             sys.exit(0)
-    from rayfed_proto.config import build_config
-
-    rows = []
-    for method in args.methods:
-        with tempfile.TemporaryDirectory() as d:
-            tmp = Path(d)
-            cfg = build_config({}, workload(args, method, tmp))
-            plains = []
-            if args.bracket:  # the plain loop before and after the platform: a slow phase of the machine
-                print(f"[{method}] plain loop (before) ...", flush=True)  # cannot land on one side only
-                plains.append(run_plain(cfg, device=args.device, echo=lambda s: print(s, flush=True),
-                                        channels_last=args.plain_channels_last))
-            print(f"[{method}] platform run ({args.rounds} rounds) ...", flush=True)
-            ours = run_platform(args, method, tmp)
-            print(f"  platform rounds: {', '.join(f'{r:.1f}' for r in ours['round_s'])} s; startup {ours['startup_s']:.1f} s",
-                  flush=True)
-            print(f"[{method}] plain loop{' (after)' if args.bracket else ''} ...", flush=True)
-            plains.append(run_plain(cfg, device=args.device, echo=lambda s: print(s, flush=True),
-                                        channels_last=args.plain_channels_last))
-            plain = plains[-1]
-        ours_med = statistics.median(ours["round_s"][1:] or ours["round_s"])
-        plain_rounds = [r for p in plains for r in (p.round_s[1:] or p.round_s)]  # rounds 2..R of each plain run
-        plain_med = statistics.median(plain_rounds)
-        rows.append({"method": method, "rounds": args.rounds, "platform_round_s": round(ours_med, 2),
-                     "plain_round_s": round(plain_med, 2), "ratio": round(ours_med / plain_med, 3),
-                     "platform_startup_s": round(ours["startup_s"], 1), "plain_startup_s": round(plain.startup_s, 1),
-                     "platform_head_acc": round(ours["head_acc"], 4), "plain_head_acc": round(plain.head_acc[-1], 4),
-                     "acc_diff_pp": round(100 * (ours["head_acc"] - plain.head_acc[-1]), 2),
-                     "platform_actors": ours["num_actors"], "platform_utilisation": round(ours["utilisation"], 3),
-                     "platform_rounds_s": [round(r, 2) for r in ours["round_s"]],
-                     "plain_rounds_s": [[round(r, 2) for r in p.round_s] for p in plains]})
-        r = rows[-1]
-        print(f"[{method}] median round (2..{args.rounds}): platform {r['platform_round_s']} s, plain {r['plain_round_s']} s, "
-              f"ratio {r['ratio']}; head acc {r['platform_head_acc']} vs {r['plain_head_acc']} ({r['acc_diff_pp']:+} pp)",
-              flush=True)
-    cols = ["method", "rounds", "platform_round_s", "plain_round_s", "ratio", "platform_startup_s", "plain_startup_s",
-            "platform_head_acc", "plain_head_acc", "acc_diff_pp", "platform_actors"]
+    rows = [_row(args, method, *_measure(args, method)) for method in args.methods]
+    cols = [c for c in COLS if c in rows[0]]
     write_results(rows, cols, args)
 
 
