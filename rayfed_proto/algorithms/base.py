@@ -230,7 +230,8 @@ class ClientAlgorithm:
 
     # -- training ----------------------------------------------------------------------------
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """Local objective on one mini-batch -> (loss, {term name: value})."""
+        """Local objective on one mini-batch -> (loss, {term name: value}). Values are detached
+        0-d tensors (or numbers): :class:`StepTally` reads them once per update, not per step."""
         _, logits = model.forward_features(x)
         ce = torch.nn.functional.cross_entropy(logits, y)
         return ce, {"ce": ce.detach()}  # read once per update by StepTally: no sync per step

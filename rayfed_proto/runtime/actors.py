@@ -213,8 +213,8 @@ class ServerActor:
         of the current version (global_acc...), for MLflow model logging."""
         import copy
 
-        self.core.settle()
         with self.core.step_lock:
+            self.core.settle()  # the current version's global-test figures complete
             model = self.core.algorithm.global_model()
             model = None if model is None else copy.deepcopy(model).cpu().eval()
             return model, dict(self.core.version_metrics.get(self.core.version, {}))

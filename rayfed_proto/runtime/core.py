@@ -470,7 +470,9 @@ class ServerCore:
 
     def settle(self, version: Optional[int] = None) -> None:
         """Wait for the global-test evaluation of ``version`` (all pending ones when None) and
-        merge its result into ``version_metrics``. An evaluation that failed raises here."""
+        merge its result into ``version_metrics``. An evaluation that failed raises here. Takes
+        only ``cond`` (the evaluation thread takes no lock), so it may be called holding
+        ``step_lock``, which keeps a step from starting a new evaluation meanwhile."""
         with self.cond:
             versions = list(self.pending_evals) if version is None else [version]
             futures = [(v, self.pending_evals.pop(v)) for v in versions if v in self.pending_evals]
@@ -567,14 +569,16 @@ class ServerCore:
             self.counters.server_train_s += dt
             self._start_global_eval(new_version)
             self.cond.notify_all()
+        # server_metrics: the aggregation's own; the global-test figures join version_metrics later (read_stats)
         return {"new_version": new_version, "state": state, "aggregated": len(taken), "server_s": dt,
                 "server_metrics": dict(metrics)}
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue from here (for checkpoints): plain dicts and arrays."""
-        self.settle()  # every version's metrics complete in the checkpoint
-        with self.step_lock, self.cond:  # a deep copy: the caller may serialise it while training goes on
-            return copy.deepcopy(self._state_dict())
+        with self.step_lock:  # no step starts another evaluation between the settle and the copy
+            self.settle()  # every version's metrics complete in the checkpoint
+            with self.cond:  # a deep copy: the caller may serialise it while training goes on
+                return copy.deepcopy(self._state_dict())
 
     def _state_dict(self) -> dict[str, Any]:
         c = self.counters
@@ -586,9 +590,10 @@ class ServerCore:
                 "version_metrics": {int(v): dict(m) for v, m in self.version_metrics.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.settle()  # nothing of the replaced history may land after the restore
-        with self.step_lock, self.cond:
-            self._load_state_dict(state)
+        with self.step_lock:
+            self.settle()  # nothing of the replaced history may land after the restore
+            with self.cond:
+                self._load_state_dict(state)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])

@@ -92,9 +92,9 @@ def test_global_evaluation_runs_beside_the_next_round_on_its_versions_model(monk
     assert set(core.pending_evals) == {0, 2, 3}
     release.set()
     assert core.read_stats(2)["server_metrics"]["global_acc"] == 2.0
+    checkpoint = core.state_dict()  # waits for the evaluations still running (version 3's)
+    assert core.pending_evals == {} and checkpoint["version_metrics"][3]["global_acc"] == 3.0
     assert core.read_stats(3)["server_metrics"]["global_acc"] == 3.0
-    core.settle()
-    assert core.pending_evals == {} and core.state_dict()["version_metrics"][3]["global_acc"] == 3.0
 
 
 def test_no_global_test_set_no_global_metrics():
