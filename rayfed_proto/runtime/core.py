@@ -52,9 +52,10 @@ class EvalSet:
 
 def eval_batch_size(device: torch.device) -> int:
     """Batch size of evaluation passes: 256 on CPU, where a larger batch's activations leave the
-    core's caches (the FedAvg CNN's first feature map is 74 KiB a sample: 512 of them are 37 MiB)
-    and a forward pass of 1,930 MNIST-sized images took 281 ms at 512 against 214 ms at 256 and
-    at 128 (one thread, channels_last, 2026-11-25); 512 on accelerators."""
+    core's caches (the FedAvg CNN's first feature map is 74 KiB a sample: 512 of them are 37 MiB):
+    a forward pass of 1,930 MNIST-sized images at 256 took 0.977 of the time at 512 in
+    channels_last and 0.878 in contiguous layout, 1,024 took 1.33 and 1.18 (one thread,
+    ``bench/eval_batch.py``, 2026-11-25); 512 on accelerators."""
     return 256 if device.type == "cpu" else 512
 
 
