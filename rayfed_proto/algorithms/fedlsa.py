@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import Algorithm
 from rayfed_proto.algorithms.common import bank_tensors, masked_cross_entropy, masked_mean
@@ -189,8 +190,8 @@ class FedLSAServer(FedAvgServer):
     def _make_optimizer(self) -> torch.optim.Optimizer:
         o = self.options
         if o.anchor_optimizer == "adam":
-            return torch.optim.Adam(self.mapping.parameters(), lr=o.anchor_lr)
-        return torch.optim.SGD(self.mapping.parameters(), lr=o.anchor_lr, momentum=o.anchor_momentum)
+            return optim.adam(self.mapping.parameters(), lr=o.anchor_lr)
+        return optim.sgd(self.mapping.parameters(), lr=o.anchor_lr, momentum=o.anchor_momentum)
 
     def _learn_anchors(self) -> dict[str, float]:
         head = self.global_model().head  # phi_glo: the averaged model's classifier, frozen

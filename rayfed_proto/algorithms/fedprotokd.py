@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, field_validator
 
+from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import (
     Algorithm,
@@ -374,12 +375,12 @@ class FedProtoKDServer(ServerAlgorithm):
             self.server_model = spec.build_arch(options.server_arch, spec.feature_dim).to(device)
             self.generator = PrototypeGenerator(spec.num_classes, spec.feature_dim,
                                                 options.hidden_dim or spec.feature_dim).to(device)
-        self.generator_opt = torch.optim.SGD(self.generator.parameters(), lr=options.generator_lr)
+        self.generator_opt = optim.sgd(self.generator.parameters(), lr=options.generator_lr)
         if options.server_optimizer == "adam":
-            self.server_opt: torch.optim.Optimizer = torch.optim.Adam(
+            self.server_opt: torch.optim.Optimizer = optim.adam(
                 self.server_model.parameters(), lr=options.server_lr, weight_decay=options.server_weight_decay)
         else:
-            self.server_opt = torch.optim.SGD(self.server_model.parameters(), lr=options.server_lr,
+            self.server_opt = optim.sgd(self.server_model.parameters(), lr=options.server_lr,
                                               momentum=options.server_momentum, weight_decay=options.server_weight_decay)
         self.bank = PrototypeBank(spec.num_classes, spec.feature_dim)  # P~ of the classes ever uploaded
         self.seen = np.zeros(spec.num_classes, bool)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer
 from rayfed_proto.algorithms.common import aggregate_prototypes, safe_cdist
@@ -113,7 +114,7 @@ class FedTGPServer(PrototypeServer):
         return {"server_loss": loss, "server_margin": self.margin}
 
     def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor, pair_w: torch.Tensor) -> float:
-        opt = torch.optim.SGD(self.generator.parameters(), lr=self.options.server_lr)
+        opt = optim.sgd(self.generator.parameters(), lr=self.options.server_lr)
         all_classes = torch.arange(self.spec.num_classes, device=self.device)
         self.generator.train()
         total, steps = 0.0, 0

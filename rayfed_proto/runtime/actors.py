@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import sys
 import threading
 from typing import Any
 
@@ -32,11 +33,35 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
+def leave_out_triton_on_cpu(device: torch.device) -> bool:
+    """Keep this process from importing Triton when it computes on the CPU; True when it will not.
+
+    PyPI's CUDA build of torch ships Triton, and the first ``torch.optim`` step imports
+    ``torch._dynamo``, which imports ``triton`` just to learn whether it is installed
+    (``torch.utils._triton.has_triton_package``). A CPU process never runs a Triton kernel, yet
+    that import costs it about 48 MiB of private memory plus 68 MiB of mapped library (measured
+    with torch 2.14.1; docs/benchmarks.md, "Startup and peak memory"). Marking the module absent
+    (``sys.modules["triton"] = None``, Python's own way to say "not installed") makes torch behave
+    as it does without Triton: optimizers are unchanged and ``torch.compile`` still works on the
+    CPU through Inductor's C++ backend. A process with a CUDA device is left alone, as is one
+    where something imported Triton already."""
+    if device.type != "cpu":
+        return False
+    if "triton" not in sys.modules:
+        sys.modules["triton"] = None  # type: ignore[assignment]
+    return sys.modules["triton"] is None
+
+
+def _triton_loaded() -> bool:
+    return sys.modules.get("triton") is not None
+
+
 def _placement() -> dict[str, Any]:
     ctx = ray.get_runtime_context()
     return {"node_id": ctx.get_node_id(), "assigned": ctx.get_assigned_resources(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()], "cuda_available": torch.cuda.is_available(),
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
+            "triton_loaded": _triton_loaded(), "dynamo_loaded": "torch._dynamo" in sys.modules}
 
 
 def _peak_rss_mib() -> float:
@@ -70,6 +95,7 @@ class ClientActor:
         torch.set_num_threads(torch_threads)
         self.cfg: ExperimentConfig = build_config(cfg_dict)
         self.device = pick_device()
+        leave_out_triton_on_cpu(self.device)
         self.host: ClientHost | None = None
         self.faults = self.cfg.faults
 
@@ -130,6 +156,7 @@ class ServerActor:
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         self.device = pick_device()
+        leave_out_triton_on_cpu(self.device)
         cfg = build_config(cfg_dict)
         # async in real time: a training thread aggregates beside intake; with a virtual clock
         # (system profiles) a submission aggregates inline, so the version the next client trains

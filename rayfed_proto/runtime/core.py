@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS, FederationSpec
 from rayfed_proto.algorithms.base import TrainBatchIterator
 from rayfed_proto.algorithms.common import nearest_prototype_predict, prototype_margin, staleness_weight
@@ -122,9 +123,9 @@ def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, i
 def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     t = cfg.training
     if t.optimizer == "adam":
-        opt = torch.optim.Adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+        opt = optim.adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+        opt = optim.sgd(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
     opt.max_grad_norm = t.max_grad_norm  # read by algorithms.base.guarded_step
     return opt
 
@@ -181,6 +182,7 @@ class ClientRunner:
             terms = self.algorithm.local_train(self.model, self.optimizer, self.batches, self.cfg.training.local_epochs,
                                                self.device)
             update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
+            self.optimizer.zero_grad(set_to_none=True)  # gradients are not state: none held between updates
         finally:
             self._restore_rng(outer)
         busy = time.perf_counter() - t0

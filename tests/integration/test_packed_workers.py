@@ -54,6 +54,9 @@ def test_auto_packing_creates_no_more_workers_than_slots(ray_session, tracking, 
     assert len(workers) == result.resource_plan["num_actors"] <= cpus_declared
     assert sorted(c for w in workers for c in w["clients"]) == list(range(9))  # every client hosted once
     assert all(w["live_clients"] == len(w["clients"]) for w in workers)  # 9 clients: nothing parked
+    # CPU processes leave out what they never run (the CUDA build's Triton, torch.optim's dynamo import)
+    processes = workers + [result.placements[-1]]
+    assert [(p["device"], p["triton_loaded"], p["dynamo_loaded"]) for p in processes] == [("cpu", False, False)] * 3
 
 
 def test_no_actor_reads_the_dataset_from_disk_even_when_recreated(ray_session, tracking, tmp_path, monkeypatch):

@@ -255,3 +255,45 @@ def test_masked_losses_equal_the_selected_rows_and_keep_gradients_finite():
     values = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert masked_mean(values, torch.tensor([True, False, True, False])).item() == pytest.approx(2.0)
     assert masked_mean(values, torch.zeros(4, dtype=torch.bool)).item() == 0.0  # none kept: 0, not NaN
+
+
+_TRITON_PROBE = """
+import sys, torch
+from rayfed_proto.runtime.actors import leave_out_triton_on_cpu
+assert not leave_out_triton_on_cpu(torch.device("cuda")) and "triton" not in sys.modules  # a GPU process: untouched
+assert leave_out_triton_on_cpu(torch.device("cpu"))
+model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2 * 6 * 6, 3))
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model(torch.ones(4, 1, 8, 8)).sum().backward()
+opt.step()  # imports torch._dynamo, which asks whether triton is installed
+assert "torch._dynamo" in sys.modules and sys.modules["triton"] is None
+{compile}
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("with_compile", [False, True])
+def test_a_cpu_process_never_imports_triton_and_still_trains_and_compiles(with_compile):
+    """Run in a fresh interpreter: the guard edits sys.modules, which must not leak into this one."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed with this torch: nothing to leave out")
+    check = ("compiled = torch.compile(model)\n"
+             "assert torch.allclose(compiled(torch.ones(2, 1, 8, 8)), model(torch.ones(2, 1, 8, 8)), atol=1e-5)") if with_compile else ""
+    out = subprocess.run([sys.executable, "-c", _TRITON_PROBE.format(compile=check)], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_the_triton_guard_leaves_an_imported_triton_alone(monkeypatch):
+    import sys
+    import types
+
+    from rayfed_proto.runtime.actors import leave_out_triton_on_cpu
+
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
+    assert not leave_out_triton_on_cpu(torch.device("cpu"))
+    assert sys.modules["triton"] is not None

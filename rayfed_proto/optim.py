@@ -1,0 +1,208 @@
+"""SGD and Adam for the clients' and servers' models: ``torch.optim`` itself on accelerators, and on
+the CPU the same arithmetic without the import of ``torch._dynamo`` that ``torch.optim`` makes.
+
+Why: every ``torch.optim.Optimizer`` imports ``torch._dynamo`` the first time it adds a parameter
+group or takes a step (its methods are wrapped in ``torch._disable_dynamo``). That import brings
+about 800 modules (SymPy, ``torch.distributed``, ``torch.fx``...) and costs each process about
+72 MiB of private memory (torch 2.14.1, CPU; docs/benchmarks.md, "Startup and peak memory"), in
+every worker and the server, for a compiler these processes never run. On the CPU, torch's own
+default is the single-tensor form of each update (``foreach`` is chosen only for CUDA tensors),
+and :class:`LeanSGD` and :class:`LeanAdam` below are those forms line for line (torch 2.14.1's
+``_single_tensor_sgd`` and ``_single_tensor_adam`` without the options this project never sets),
+so a run gives bit for bit the numbers ``torch.optim`` gives (``tests/unit/test_optim.py``
+compares them step by step). Their ``state_dict`` has ``torch.optim``'s layout and keys, so
+checkpoints load in either direction.
+
+On a GPU (any parameter off the CPU) :func:`sgd` and :func:`adam` return ``torch.optim.SGD`` and
+``torch.optim.Adam`` themselves, with their foreach kernels. No Ray here.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+# Hyperparameters as torch.optim's param groups hold them (same keys and defaults), so that a
+# state_dict moves between LeanSGD/LeanAdam and torch.optim.SGD/Adam.
+_SGD_DEFAULTS = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False,
+                 "maximize": False, "foreach": None, "differentiable": False, "fused": None}
+_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "amsgrad": False,
+                  "maximize": False, "foreach": None, "capturable": False, "differentiable": False, "fused": None,
+                  "decoupled_weight_decay": False}
+# Settings torch.optim has and these classes do not implement: refused rather than ignored.
+_UNSUPPORTED = {"maximize": False, "foreach": None, "differentiable": False, "fused": None, "capturable": False,
+                "amsgrad": False, "decoupled_weight_decay": False}
+
+
+class LeanOptimizer:
+    """What the runtime and the methods use of ``torch.optim.Optimizer``: ``param_groups``,
+    ``state``, ``zero_grad``, ``step``, ``state_dict`` and ``load_state_dict`` in its format."""
+
+    _defaults: dict[str, Any] = {}
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict[str, Any]], **hyper: Any):
+        unknown = sorted(set(hyper) - set(self._defaults))
+        if unknown:
+            raise TypeError(f"{type(self).__name__}: unknown option(s) {', '.join(unknown)}; "
+                            f"allowed: {', '.join(sorted(self._defaults))}")
+        self.defaults = {**self._defaults, **hyper}
+        self.state: defaultdict[torch.Tensor, dict[str, Any]] = defaultdict(dict)
+        self.param_groups: list[dict[str, Any]] = []
+        params = list(params)
+        if not params:
+            raise ValueError(f"{type(self).__name__} got an empty parameter list")
+        for group in (params if isinstance(params[0], dict) else [{"params": params}]):
+            self.add_param_group(dict(group))
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        group["params"] = list(group["params"])
+        for key, value in self.defaults.items():
+            group.setdefault(key, value)
+        for key, allowed in _UNSUPPORTED.items():
+            if key in group and group[key] != allowed:
+                raise ValueError(f"{type(self).__name__}: {key}={group[key]!r} is not supported (only {allowed!r}); "
+                                 f"use torch.optim for it")
+        self.param_groups.append(group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().requires_grad_(False).zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim.Optimizer.state_dict``'s layout: parameters numbered in group order."""
+        index: dict[int, int] = {}
+        groups = []
+        for group in self.param_groups:
+            ids = []
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+                ids.append(index[id(p)])
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+        state = {index[id(p)]: s for p, s in self.state.items() if id(p) in index}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict saved by this class or by the matching ``torch.optim`` class (which is
+        what checkpoints written before this module hold). Tensors are moved to each parameter's
+        device and, except Adam's ``step`` counter (kept as float32 on the CPU, as torch does),
+        cast to its dtype."""
+        saved = state_dict["param_groups"]
+        if len(saved) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved, self.param_groups, strict=True)):
+            raise ValueError("loaded state dict has a different number of parameter groups or parameters than "
+                             f"this {type(self).__name__}")
+        by_index = {i: p for s, g in zip(saved, self.param_groups, strict=True) for i, p in zip(s["params"], g["params"], strict=True)}
+        self.state = defaultdict(dict)
+        for i, values in state_dict["state"].items():
+            p = by_index[int(i)]
+            self.state[p] = {k: self._cast(k, v, p) for k, v in values.items()}
+        groups = []
+        for s, g in zip(saved, self.param_groups, strict=True):
+            group = {**{k: v for k, v in s.items() if k != "params"}, "params": g["params"]}
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            groups.append(group)
+        self.param_groups = groups
+
+    @staticmethod
+    def _cast(key: str, value: Any, p: torch.Tensor) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if key == "step":
+            return value.to(dtype=torch.float32, device="cpu")
+        return value.to(dtype=p.dtype, device=p.device)
+
+
+class LeanSGD(LeanOptimizer):
+    """``torch.optim.SGD`` on the CPU: momentum, dampening, Nesterov and (coupled) weight decay."""
+
+    _defaults = _SGD_DEFAULTS
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
+            dampening, nesterov = group["dampening"], group["nesterov"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if wd != 0:
+                    grad = grad.add(p, alpha=wd)
+                if momentum != 0:
+                    state = self.state[p]
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = grad.detach().clone()
+                    else:
+                        buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+                    grad = grad.add(buf, alpha=momentum) if nesterov else buf
+                p.add_(grad, alpha=-lr)
+        return loss
+
+
+class LeanAdam(LeanOptimizer):
+    """``torch.optim.Adam`` on the CPU (Kingma & Ba, Alg. 1) with coupled (L2) weight decay."""
+
+    _defaults = _ADAM_DEFAULTS
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # torch's lazy state: a CPU float32 step counter and zero moments
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                grad, exp_avg, exp_avg_sq, step_t = p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]
+                step_t += 1
+                if wd != 0:
+                    grad = grad.add(p, alpha=wd)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                step = step_t.item()
+                bias_correction1 = 1 - beta1**step
+                bias_correction2 = 1 - beta2**step
+                step_size = lr / bias_correction1
+                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+        return loss
+
+
+def _on_cpu(params: list) -> bool:
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    return all(t.device.type == "cpu" for t in tensors)
+
+
+def sgd(params: Iterable, **hyper: Any):
+    """SGD over ``params``: :class:`LeanSGD` when they are all on the CPU, ``torch.optim.SGD`` otherwise."""
+    params = list(params)
+    return LeanSGD(params, **hyper) if _on_cpu(params) else torch.optim.SGD(params, **hyper)
+
+
+def adam(params: Iterable, **hyper: Any):
+    """Adam over ``params``: :class:`LeanAdam` when they are all on the CPU, ``torch.optim.Adam`` otherwise."""
+    params = list(params)
+    return LeanAdam(params, **hyper) if _on_cpu(params) else torch.optim.Adam(params, **hyper)
