@@ -10,6 +10,10 @@ run's own `startup_s` metric: from the process start to the first local update r
     .venv/bin/python bench/footprint.py scale --out bench/results/footprint_scale     # 1,000 clients, participation 0.05
     .venv/bin/python bench/footprint.py demo --set resources.clients_per_actor=1      # the old layout, for comparison
 
+With ``--out``, the JSON also holds every sample (``timeline``: seconds, total PSS and PSS per
+process) and a PNG beside it stacks PSS per process group (driver, workers, server, Ray's own
+processes) over the run, with the 3 GB line of issue 11.
+
 `scale`: 1,000 clients, participation 0.05, sync, synthetic data of MNIST's size and shape
 (70,000 images 1x28x28, iid), HtFE1 (the FedAvg CNN), FedProto, 5 rounds, evaluation at the
 last; idle clients are parked (`resources.park_idle_clients: auto`).
@@ -84,12 +88,14 @@ def main() -> None:
         t0 = time.time()
         proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         peak = {"pss": 0.0, "rss": 0.0, "procs": 0, "by_process": {}}
+        timeline: list[dict] = []  # every sample: seconds, total PSS and PSS per process label (MiB)
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
                 parts: dict[str, float] = {}
                 pss, rss, n = tree_memory(proc, parts)
+                timeline.append({"t": round(time.time() - t0, 2), "pss": round(pss), "by": {k: round(v) for k, v in parts.items()}})
                 if pss > peak["pss"]:
                     peak.update(pss=pss, rss=max(peak["rss"], rss), procs=n, by_process=parts, at_s=time.time() - t0)
                 peak["rss"] = max(peak["rss"], rss)
@@ -119,7 +125,42 @@ def main() -> None:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                             "row": row}, indent=1))
+                                                             "row": row, "timeline": timeline}, indent=1))
+        plot_timeline(timeline, args.out.with_suffix(".png"), f"{args.which}: PSS over the run (peak {row['peak_pss_gib']} GiB)")
+
+
+GROUPS = {"driver (rayfed-proto)": ("rayfed-proto",), "workers": ("ray::ClientActor",), "server": ("ray::ServerActor",)}
+
+
+def group_of(label_: str) -> str:
+    for group, prefixes in GROUPS.items():
+        if label_.startswith(prefixes):
+            return group
+    return "Ray's own processes"
+
+
+def plot_timeline(timeline: list[dict], path: Path, title: str) -> None:
+    """Stacked PSS per process group over the run, with the 3 GB (2.79 GiB) line of issue 11."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(GROUPS) + ["Ray's own processes"]
+    ts = [s["t"] for s in timeline]
+    stacks = {g: [0.0] * len(timeline) for g in names}
+    for i, s in enumerate(timeline):
+        for lbl, mib in s["by"].items():
+            stacks[group_of(lbl)][i] += mib / 1024
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.stackplot(ts, [stacks[g] for g in names], labels=names, alpha=0.85)
+    ax.axhline(3e9 / 2**30, color="k", ls="--", lw=1, label="3 GB")
+    top = max([sum(stacks[g][i] for g in names) for i in range(len(timeline))] + [3e9 / 2**30])
+    ax.set(xlabel="seconds since the command started", ylabel="PSS (GiB)", title=title, ylim=(0, top * 1.25))
+    ax.legend(loc="upper center", ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -49,8 +49,11 @@ def main() -> None:
     steps = len(runner.batches.y) // cfg.training.batch_size
     lam = 10.0 if args.method == "fedproto" else 0.0
 
+    t = cfg.training  # the plain loop steps with torch.optim.SGD itself (the platform: rayfed_proto.optim on the CPU)
+    plain_opt = torch.optim.SGD(runner.model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
     def plain_epoch() -> None:
-        model, opt = runner.model, runner.optimizer
+        model, opt = runner.model, plain_opt
         bank = torch.zeros(ds.num_classes, cfg.model.feature_dim)
         mask = torch.zeros(ds.num_classes, dtype=torch.bool)
         if state.prototypes is not None:

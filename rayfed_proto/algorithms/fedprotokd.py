@@ -381,7 +381,7 @@ class FedProtoKDServer(ServerAlgorithm):
                 self.server_model.parameters(), lr=options.server_lr, weight_decay=options.server_weight_decay)
         else:
             self.server_opt = optim.sgd(self.server_model.parameters(), lr=options.server_lr,
-                                              momentum=options.server_momentum, weight_decay=options.server_weight_decay)
+                                        momentum=options.server_momentum, weight_decay=options.server_weight_decay)
         self.bank = PrototypeBank(spec.num_classes, spec.feature_dim)  # P~ of the classes ever uploaded
         self.seen = np.zeros(spec.num_classes, bool)
         self.margins = np.full(spec.num_classes, np.nan, np.float32)  # xi^c of the last aggregation

@@ -120,7 +120,9 @@ def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, i
     )
 
 
-def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def make_optimizer(cfg: ExperimentConfig, model: torch.nn.Module) -> optim.LeanOptimizer | torch.optim.Optimizer:
+    """The client's optimizer (``training.optimizer``): :mod:`rayfed_proto.optim`'s, which is
+    ``torch.optim``'s arithmetic on the CPU without its ``torch._dynamo`` import."""
     t = cfg.training
     if t.optimizer == "adam":
         opt = optim.adam(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
