@@ -113,6 +113,22 @@ class LeanOptimizer:
             groups.append(group)
         self.param_groups = groups
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient (``closure``: as in ``torch.optim``)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, p.grad, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
     @staticmethod
     def _cast(key: str, value: Any, p: torch.Tensor) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -127,31 +143,19 @@ class LeanSGD(LeanOptimizer):
 
     _defaults = _SGD_DEFAULTS
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
-            dampening, nesterov = group["dampening"], group["nesterov"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if wd != 0:
-                    grad = grad.add(p, alpha=wd)
-                if momentum != 0:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = grad.detach().clone()
-                    else:
-                        buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-                    grad = grad.add(buf, alpha=momentum) if nesterov else buf
-                p.add_(grad, alpha=-lr)
-        return loss
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        momentum = group["momentum"]
+        if group["weight_decay"] != 0:
+            grad = grad.add(p, alpha=group["weight_decay"])
+        if momentum != 0:
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = grad.detach().clone()
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
+            grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+        p.add_(grad, alpha=-group["lr"])
 
 
 class LeanAdam(LeanOptimizer):
@@ -159,36 +163,25 @@ class LeanAdam(LeanOptimizer):
 
     _defaults = _ADAM_DEFAULTS
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:  # torch's lazy state: a CPU float32 step counter and zero moments
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                grad, exp_avg, exp_avg_sq, step_t = p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"]
-                step_t += 1
-                if wd != 0:
-                    grad = grad.add(p, alpha=wd)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                step = step_t.item()
-                bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
-                step_size = lr / bias_correction1
-                denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-step_size)
-        return loss
+    def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
+        beta1, beta2 = group["betas"]
+        state = self.state[p]
+        if not state:  # torch's lazy state: a CPU float32 step counter and zero moments
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
+        step_t += 1
+        if group["weight_decay"] != 0:
+            grad = grad.add(p, alpha=group["weight_decay"])
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step = step_t.item()
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = group["lr"] / bias_correction1
+        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(group["eps"])
+        p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 def _on_cpu(params: list) -> bool:

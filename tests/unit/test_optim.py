@@ -66,21 +66,19 @@ def test_adam_first_two_steps_by_hand():
     assert opt.state[p]["step"].item() == 2.0
 
 
-@pytest.mark.parametrize("hyper", [{"lr": 0.05}, {"lr": 0.05, "momentum": 0.9}, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3},
-                                   {"lr": 0.05, "momentum": 0.5, "dampening": 0.1, "nesterov": False},
-                                   {"lr": 0.05, "momentum": 0.9, "nesterov": True}])
-def test_lean_sgd_equals_torch_sgd_bit_for_bit(hyper):
+@pytest.mark.parametrize("lean, torch_cls, hyper", [
+    (LeanSGD, torch.optim.SGD, {"lr": 0.05}),
+    (LeanSGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    (LeanSGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}),
+    (LeanSGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.5, "dampening": 0.1}),
+    (LeanSGD, torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
+    (LeanAdam, torch.optim.Adam, {"lr": 0.01}),
+    (LeanAdam, torch.optim.Adam, {"lr": 0.01, "weight_decay": 1e-3}),
+    (LeanAdam, torch.optim.Adam, {"lr": 0.003, "betas": (0.8, 0.99), "eps": 1e-6}),
+])
+def test_lean_optimizers_equal_torch_optim_bit_for_bit(lean, torch_cls, hyper):
     a, b = _model(), _model()
-    opt_a, opt_b = LeanSGD(a.parameters(), **hyper), torch.optim.SGD(b.parameters(), **hyper)
-    _train(a, opt_a, 6)
-    _train(b, opt_b, 6)
-    _assert_same(a, b, opt_a, opt_b)
-
-
-@pytest.mark.parametrize("hyper", [{"lr": 0.01}, {"lr": 0.01, "weight_decay": 1e-3}, {"lr": 0.003, "betas": (0.8, 0.99), "eps": 1e-6}])
-def test_lean_adam_equals_torch_adam_bit_for_bit(hyper):
-    a, b = _model(), _model()
-    opt_a, opt_b = LeanAdam(a.parameters(), **hyper), torch.optim.Adam(b.parameters(), **hyper)
+    opt_a, opt_b = lean(a.parameters(), **hyper), torch_cls(b.parameters(), **hyper)
     _train(a, opt_a, 6)
     _train(b, opt_b, 6)
     _assert_same(a, b, opt_a, opt_b)
@@ -91,21 +89,23 @@ def test_lean_adam_equals_torch_adam_bit_for_bit(hyper):
 def test_state_dicts_move_both_ways_and_continue_identically(lean, torch_cls, hyper):
     """A checkpoint written by torch.optim (every checkpoint before this module) resumes in the
     lean class, and the other way round, with the same numbers as an uninterrupted run."""
-    ref, ref_opt = _model(), None
+    ref = _model()
     ref_opt = torch_cls(ref.parameters(), **hyper)
     _train(ref, ref_opt, 3)
-    lean_model = copy.deepcopy(ref)
-    lean_opt = lean(lean_model.parameters(), **hyper)
-    lean_opt.load_state_dict(copy.deepcopy(ref_opt.state_dict()))
-    _train(ref, ref_opt, 3, seed=2)
-    _train(lean_model, lean_opt, 3, seed=2)
-    _assert_same(lean_model, ref, lean_opt, ref_opt)
-    back_model = copy.deepcopy(lean_model)
-    back_opt = torch_cls(back_model.parameters(), **hyper)
-    back_opt.load_state_dict(copy.deepcopy(lean_opt.state_dict()))
-    _train(back_model, back_opt, 2, seed=3)
-    _train(lean_model, lean_opt, 2, seed=3)
-    _assert_same(back_model, lean_model, back_opt, lean_opt)
+    lean_model, lean_opt = _resumed_alongside(ref, ref_opt, lean, hyper, seed=2)
+    _resumed_alongside(lean_model, lean_opt, torch_cls, hyper, seed=3)
+
+
+def _resumed_alongside(model, opt, cls, hyper, seed):
+    """A copy of ``model`` with a ``cls`` optimizer loaded from ``opt``'s state dict; both train 3
+    more steps on the same batches and must stay identical. Returns the copy and its optimizer."""
+    twin = copy.deepcopy(model)
+    twin_opt = cls(twin.parameters(), **hyper)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _train(model, opt, 3, seed=seed)
+    _train(twin, twin_opt, 3, seed=seed)
+    _assert_same(twin, model, twin_opt, opt)
+    return twin, twin_opt
 
 
 def test_cleared_state_is_a_fresh_optimizer_and_zero_grad_frees_gradients():
