@@ -39,8 +39,8 @@ def leave_out_triton_on_cpu(device: torch.device) -> bool:
     PyPI's CUDA build of torch ships Triton, and whatever imports ``torch._dynamo`` (a
     ``torch.optim`` optimizer's first step, ``torch.compile``, a plug-in) imports ``triton`` just
     to learn whether it is installed (``torch.utils._triton.has_triton_package``). A CPU process
-    never runs a Triton kernel, yet that import costs it about 48 MiB of private memory plus
-    68 MiB of mapped library (measured with torch 2.14.1; docs/benchmarks.md, "Startup and peak
+    never runs a Triton kernel, yet that import maps about 69 MiB of library pages and 7 MiB of
+    private memory into it (``bench/import_cost.py``, torch 2.14.1; docs/benchmarks.md, "Startup and peak
     memory"). The built-in methods step with :mod:`rayfed_proto.optim`, which imports neither;
     this guard covers everything else. Marking the module absent
     (``sys.modules["triton"] = None``, Python's own way to say "not installed") makes torch behave

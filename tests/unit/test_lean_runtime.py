@@ -297,3 +297,15 @@ def test_the_triton_guard_leaves_an_imported_triton_alone(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))
     assert not leave_out_triton_on_cpu(torch.device("cpu"))
     assert sys.modules["triton"] is not None
+
+
+def test_a_local_update_keeps_no_gradients_and_steps_with_the_lean_optimizer(fed):
+    """Gradients are not client state: none is held between local updates (memory of every
+    hosted client), and the CPU runner steps with rayfed_proto.optim, not torch.optim."""
+    from rayfed_proto.optim import LeanSGD
+
+    cfg, ds, part = fed
+    runner = ClientRunner(cfg, part.clients[0], ds, torch.device("cpu"))
+    assert type(runner.optimizer) is LeanSGD
+    runner.train(GlobalState(version=0))
+    assert all(p.grad is None for p in runner.model.parameters())
