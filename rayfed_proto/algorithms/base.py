@@ -23,10 +23,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from rayfed_proto.algorithms.common import (
+    LatestUploads,
     PrototypeBank,
     aggregate_prototypes,
     local_prototypes,
-    staleness_weight,
 )
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
@@ -365,9 +365,10 @@ class PrototypeServer(ServerAlgorithm):
 
     ``aggregation_scope="buffer"`` (ALGORITHMS.md): a version aggregates the buffered updates and
     classes nobody uploaded keep their last vector. ``"latest"``: the server remembers each
-    client's most recent upload and aggregates all of them, each weighted by its staleness
-    now, (1 + current version - version it was trained against)^(-a); with full synchronous
-    participation both are identical.
+    client's most recent upload (:class:`~rayfed_proto.algorithms.common.LatestUploads`: an older
+    upload arriving late never replaces a newer one) and aggregates all of them, each weighted by
+    its staleness now, (1 + current version - version it was trained against)^(-a); with full
+    synchronous participation both are identical.
     """
 
     options: PrototypeOptions
@@ -375,17 +376,17 @@ class PrototypeServer(ServerAlgorithm):
     def __init__(self, options: PrototypeOptions, spec: FederationSpec, device: torch.device):
         super().__init__(options, spec, device)
         self.bank = PrototypeBank(spec.num_classes, spec.feature_dim)
-        self.latest: dict[int, tuple[PrototypeSet, int]] = {}  # client -> (upload, version trained against)
+        self.latest: LatestUploads[PrototypeSet] = LatestUploads(spec.staleness_exponent)  # client -> (upload, tau)
 
     def _pairs(self, updates: list[ClientUpdate], weights: list[float], version: int) -> tuple[list[PrototypeSet], list[float]]:
         sets, ws = [], []
         if self.options.aggregation_scope == "latest":
             for u in updates:
                 if u.prototypes is not None:
-                    self.latest[u.client_id] = (u.prototypes, u.base_version)
-            for ps, trained_on in self.latest.values():
+                    self.latest.offer(u.client_id, u.prototypes, u.base_version)
+            for _, ps, w in self.latest.weighted(version):  # s = (1 + t - tau)^(-a), t = version - 1
                 sets.append(ps)
-                ws.append(staleness_weight(max(0, version - 1 - trained_on), self.spec.staleness_exponent))
+                ws.append(w)
         else:
             for u, w in zip(updates, weights, strict=False):
                 if u.prototypes is not None and len(u.prototypes):
@@ -405,14 +406,11 @@ class PrototypeServer(ServerAlgorithm):
         return self.bank.as_set()
 
     def state_dict(self) -> dict[str, Any]:
-        latest = {str(c): {"class_ids": ps.class_ids, "vectors": ps.vectors, "counts": ps.counts, "trained_on": v}
-                  for c, (ps, v) in self.latest.items()}
-        return {"bank": self.bank.state_dict(), "latest": latest}
+        return {"bank": self.bank.state_dict(), "latest": self.latest.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.bank.load_state_dict(state["bank"])
-        self.latest = {int(c): (PrototypeSet(e["class_ids"], e["vectors"], e["counts"]), int(e["trained_on"]))
-                       for c, e in state.get("latest", {}).items()}
+        self.latest.load_state_dict(state.get("latest", {}))
 
 
 def as_numpy_state(module: torch.nn.Module) -> dict[str, np.ndarray]:

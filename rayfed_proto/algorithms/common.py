@@ -1,18 +1,22 @@
-"""Pieces every prototype method shares: distances, local prototypes, aggregation, the bank.
+"""Pieces every prototype method shares: distances, local prototypes, aggregation, the bank,
+the memory of each client's latest upload.
 
 Plain PyTorch / numpy; unit-tested on tiny tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Literal, Optional
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Literal, Optional, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rayfed_proto.messages import PrototypeSet
+
+T = TypeVar("T")
 
 
 def safe_cdist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -199,3 +203,93 @@ def masked_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, keep: torch
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels)
 
+
+def prototype_set_fields(ps: PrototypeSet) -> dict[str, np.ndarray]:
+    """A ``PrototypeSet`` as the plain arrays a checkpoint holds (copies)."""
+    return {"class_ids": np.array(ps.class_ids), "vectors": np.array(ps.vectors), "counts": np.array(ps.counts)}
+
+
+def prototype_set_from_fields(entry: dict[str, Any]) -> PrototypeSet:
+    """The inverse of :func:`prototype_set_fields` (extra keys of the entry are ignored)."""
+    return PrototypeSet(np.array(entry["class_ids"]), np.array(entry["vectors"]), np.array(entry["counts"]))
+
+
+class LatestUploads(Mapping[int, tuple[T, int]]):
+    """Each client's newest upload (any payload: a ``PrototypeSet``, public-set logits, ...) with the
+    server version it was trained against, its ``base_version`` tau: the memory behind
+    ``aggregation_scope: latest`` (``PrototypeServer`` and its subclasses, FedProtoKD, FedSC).
+
+    Guard: :meth:`offer` never replaces a stored upload with one trained against an older version.
+    Asynchronous submissions arrive on several threads, so a client's older upload can reach the
+    server after its newer one; it is then refused. With the same ``base_version`` the later
+    arrival wins (a resubmission replaces the earlier one). The check and the store happen under
+    one lock.
+
+    Read as a mapping ``client -> (payload, base_version)``, in first-arrival order of the clients
+    (a replaced upload keeps its client's place, as a dict does); :meth:`weighted` adds each
+    upload's staleness weight at a version.
+
+    State (:meth:`state_dict`): ``{str(client): {**encode(payload), "trained_on": tau}}``, the layout
+    the three servers have always written (``latest``, FedProtoKD's ``latest_logits`` and
+    ``latest_protos``), so checkpoints of either age load both ways.
+    """
+
+    def __init__(self, staleness_exponent: float = 0.5):
+        self.staleness_exponent = staleness_exponent
+        self._entries: dict[int, tuple[T, int]] = {}
+        self._lock = threading.Lock()
+
+    # -- the guard -------------------------------------------------------------------------------
+    def offer(self, client_id: int, payload: T, base_version: int) -> bool:
+        """Remember ``payload`` as ``client_id``'s newest upload, trained against ``base_version``,
+        unless an upload trained against a newer version is already stored; True when stored."""
+        client_id, base_version = int(client_id), int(base_version)
+        with self._lock:
+            held = self._entries.get(client_id)
+            if held is not None and base_version < held[1]:
+                return False  # an older upload arriving late never replaces a newer one
+            self._entries[client_id] = (payload, base_version)
+            return True
+
+    # -- reading -----------------------------------------------------------------------------------
+    def __getitem__(self, client_id: int) -> tuple[T, int]:
+        return self._entries[client_id]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def weighted(self, version: int) -> list[tuple[int, T, float]]:
+        """(client, payload, s) for every stored upload, in first-arrival order of the clients, with
+        its staleness weight when ``version`` is being produced (the server's current version is
+        t = version - 1): s = (1 + t - tau)^(-a) (ALGORITHMS.md, "Asynchrony"; a =
+        ``staleness_exponent``), so an upload's weight shrinks as it ages; 1 for one trained
+        against the current version."""
+        now = version - 1
+        with self._lock:
+            entries = list(self._entries.items())
+        return [(c, payload, staleness_weight(max(0, now - tau), self.staleness_exponent)) for c, (payload, tau) in entries]
+
+    # -- state -------------------------------------------------------------------------------------
+    def state_dict(self, encode: Callable[[T], dict[str, Any]] = prototype_set_fields) -> dict[str, dict[str, Any]]:
+        """``{str(client): {**encode(payload), "trained_on": tau}}`` (plain arrays and ints)."""
+        with self._lock:
+            entries = list(self._entries.items())
+        return {str(c): {**encode(payload), "trained_on": int(tau)} for c, (payload, tau) in entries}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]],
+                        decode: Callable[[dict[str, Any]], T] = prototype_set_from_fields) -> None:
+        """Replace the memory with ``state`` (:meth:`state_dict`'s layout, the one every server wrote
+        before this class existed); the client order is the state's."""
+        entries = {int(c): (decode(e), int(e["trained_on"])) for c, e in (state or {}).items()}
+        with self._lock:
+            self._entries = entries
+
+    def __getstate__(self) -> dict[str, Any]:  # a lock does not pickle or deep-copy
+        return {"staleness_exponent": self.staleness_exponent, "_entries": dict(self._entries)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

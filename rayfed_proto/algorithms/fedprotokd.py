@@ -31,7 +31,8 @@ Server, one aggregation (Algorithm 1):
   5. Broadcast P~ (classes ever uploaded) and F_G's logits on D_p.
 
 Asynchrony (this platform's, not the paper's): the server remembers the latest upload of every
-client seen so far (logits and prototypes, with the version each was trained against) and
+client seen so far (logits and prototypes, with the version each was trained against;
+``common.LatestUploads``: an older upload arriving late never replaces a newer one) and
 aggregates all of them each version, each weighted by (1 + t - tau_k)^(-a), t the server's
 current version; so a public sample's target mixes however many clients have reported, the
 staler ones counting less. ``aggregation_scope: buffer`` uses only the buffered updates (the
@@ -64,13 +65,13 @@ from rayfed_proto.algorithms.base import (
     guarded_step,
 )
 from rayfed_proto.algorithms.common import (
+    LatestUploads,
     PrototypeBank,
     aggregate_prototypes,
     alignment_loss,
     bank_tensors,
     local_prototypes,
     safe_cdist,
-    staleness_weight,
 )
 from rayfed_proto.algorithms.fedtgp import PrototypeGenerator, adaptive_margin
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
@@ -361,6 +362,18 @@ def _cpu_copy(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
+def _client(entry: tuple) -> int:
+    return entry[0]
+
+
+def _logits_fields(logits: np.ndarray) -> dict[str, np.ndarray]:
+    return {"logits": logits.copy()}
+
+
+def _logits_from_fields(entry: dict[str, Any]) -> np.ndarray:
+    return np.array(entry["logits"])
+
+
 class FedProtoKDServer(ServerAlgorithm):
     options: FedProtoKDOptions
 
@@ -385,8 +398,10 @@ class FedProtoKDServer(ServerAlgorithm):
         self.bank = PrototypeBank(spec.num_classes, spec.feature_dim)  # P~ of the classes ever uploaded
         self.seen = np.zeros(spec.num_classes, bool)
         self.margins = np.full(spec.num_classes, np.nan, np.float32)  # xi^c of the last aggregation
-        self.latest_logits: dict[int, tuple[np.ndarray, int]] = {}  # client -> (logits, version trained on)
-        self.latest_protos: dict[int, tuple[PrototypeSet, int]] = {}
+        # client -> (its latest logits on D_p / prototypes, version trained on); an upload without
+        # prototypes leaves the client's stored prototypes as they are
+        self.latest_logits: LatestUploads[np.ndarray] = LatestUploads(spec.staleness_exponent)
+        self.latest_protos: LatestUploads[PrototypeSet] = LatestUploads(spec.staleness_exponent)
         self.server_logits: Optional[np.ndarray] = None  # F_G on D_p, broadcast
         self.shuffle = torch.Generator().manual_seed(spec.seed)
 
@@ -414,16 +429,12 @@ class FedProtoKDServer(ServerAlgorithm):
                       if u.prototypes is not None and len(u.prototypes)]
         else:
             for u in updates:
-                self.latest_logits[u.client_id] = (np.array(u.extras[PUBLIC_LOGITS], np.float32), u.base_version)
+                self.latest_logits.offer(u.client_id, np.array(u.extras[PUBLIC_LOGITS], np.float32), u.base_version)
                 if u.prototypes is not None and len(u.prototypes):
-                    self.latest_protos[u.client_id] = (u.prototypes, u.base_version)
-            now = version - 1  # the server's current version; the one being produced is ``version``
-
-            def w(trained_on: int) -> float:
-                return staleness_weight(max(0, now - trained_on), self.spec.staleness_exponent)
-
-            logits = [(a, w(v)) for _, (a, v) in sorted(self.latest_logits.items())]
-            protos = [(ps, w(v)) for _, (ps, v) in sorted(self.latest_protos.items())]
+                    self.latest_protos.offer(u.client_id, u.prototypes, u.base_version)
+            # in client order; s = (1 + t - tau)^(-a), t = version - 1 the server's current version
+            logits = [(a, w) for _, a, w in sorted(self.latest_logits.weighted(version), key=_client)]
+            protos = [(ps, w) for _, ps, w in sorted(self.latest_protos.weighted(version), key=_client)]
         return logits, protos
 
     def aggregate(self, updates, weights, version):
@@ -532,10 +543,8 @@ class FedProtoKDServer(ServerAlgorithm):
             "generator": _cpu_copy(self.generator.state_dict()),
             "generator_opt": _cpu_copy(self.generator_opt.state_dict()),
             "bank": self.bank.state_dict(), "seen": self.seen.copy(), "margins": self.margins.copy(),
-            "latest_logits": {str(c): {"logits": a.copy(), "trained_on": v} for c, (a, v) in self.latest_logits.items()},
-            "latest_protos": {str(c): {"class_ids": np.array(ps.class_ids), "vectors": np.array(ps.vectors),
-                                       "counts": np.array(ps.counts), "trained_on": v}
-                              for c, (ps, v) in self.latest_protos.items()},
+            "latest_logits": self.latest_logits.state_dict(_logits_fields),
+            "latest_protos": self.latest_protos.state_dict(),
             "server_logits": None if self.server_logits is None else self.server_logits.copy(),
             "shuffle": self.shuffle.get_state().clone(),
         }
@@ -548,9 +557,8 @@ class FedProtoKDServer(ServerAlgorithm):
         self.bank.load_state_dict(state["bank"])
         self.seen = np.array(state["seen"])
         self.margins = np.array(state["margins"])
-        self.latest_logits = {int(c): (np.array(e["logits"]), int(e["trained_on"])) for c, e in state["latest_logits"].items()}
-        self.latest_protos = {int(c): (PrototypeSet(np.array(e["class_ids"]), np.array(e["vectors"]), np.array(e["counts"])),
-                                       int(e["trained_on"])) for c, e in state["latest_protos"].items()}
+        self.latest_logits.load_state_dict(state["latest_logits"], _logits_from_fields)
+        self.latest_protos.load_state_dict(state["latest_protos"])
         logits = state["server_logits"]
         self.server_logits = None if logits is None else np.array(logits)
         self.shuffle.set_state(torch.as_tensor(state["shuffle"]).clone())

@@ -16,10 +16,12 @@ s_k is the staleness weight of client k's upload (1 in sync mode). Eq. 11's norm
 over the clients holding class j (ALGORITHMS.md **Decision**); N and sum_i d_i over the
 clients in scope.
 
-Scope (``prototype_scope``; the paper is synchronous): ``latest`` (default) keeps every client's
-most recent upload with the version it was trained against and uses all of them, each with
-staleness weight (1 + t - tau)^(-a) at this version, as PrototypeServer's "latest"; ``buffer``
-uses only the updates aggregated in this version.
+Scope (``aggregation_scope``, the name every method uses; ``prototype_scope`` is its deprecated
+alias; the paper is synchronous): ``latest`` (default) keeps every client's most recent upload
+with the version it was trained against (``common.LatestUploads``: an older upload arriving late
+never replaces a newer one) and uses all of them, each with staleness weight (1 + t - tau)^(-a)
+at this version, as PrototypeServer's "latest"; ``buffer`` uses only the updates aggregated in
+this version (of a client twice in one buffer, its newer upload).
 
 Broadcast: the global weights, the consistent prototypes o^j as a ``PrototypeSet`` (classes that
 never had one are absent; a class not covered by this version's scope keeps its last o^j),
@@ -36,22 +38,24 @@ R^y: every client's relational prototype of class y (positives); R: all of them.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import Algorithm
 from rayfed_proto.algorithms.common import (
+    LatestUploads,
     PrototypeBank,
     bank_tensors,
     local_prototypes,
     masked_mean,
     safe_cdist,
-    staleness_weight,
 )
 from rayfed_proto.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
@@ -64,9 +68,29 @@ class FedSCOptions(FedAvgOptions):
     cpdr_weight: float = Field(1.0, ge=0, description="weight of L_CPDR (paper: 1, an unweighted sum); 0 turns it off")
     cpdr_reduction: Literal["sum", "mean"] = Field(
         "sum", description="L_CPDR over the D dimensions: summed L1 (Eq. 15 as printed) or its mean (divided by D)")
-    prototype_scope: Literal["latest", "buffer"] = Field(
+    aggregation_scope: Literal["latest", "buffer"] = Field(
         "latest", description="client prototypes used by the server: every client's latest upload (staleness-weighted) "
-        "or only this version's buffer")
+        "or only this version's buffer (formerly prototype_scope)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_prototype_scope(cls, data: Any) -> Any:
+        """``prototype_scope`` (the name up to issue 23) is read as ``aggregation_scope``, with a warning."""
+        if not isinstance(data, dict) or "prototype_scope" not in data:
+            return data
+        data = dict(data)
+        old = data.pop("prototype_scope")
+        if "aggregation_scope" in data and data["aggregation_scope"] != old:
+            # reported at the old key (not at the whole section, as a ValueError here would be)
+            msg = (f"the deprecated name of aggregation_scope, which is set too, to {data['aggregation_scope']!r}: "
+                   "keep aggregation_scope only")
+            raise ValidationError.from_exception_data(cls.__name__, [InitErrorDetails(
+                type=PydanticCustomError("renamed_option", msg), loc=("prototype_scope",), input=old)])
+        warnings.warn(f"algorithm.prototype_scope is deprecated: it was renamed algorithm.aggregation_scope (the name "
+                      f"every method uses, same values); read as aggregation_scope = {old!r}. Write "
+                      "aggregation_scope in your config", FutureWarning, stacklevel=2)
+        data["aggregation_scope"] = old
+        return data
 
 
 # ----------------------------------------------------------------------------- server equations
@@ -210,7 +234,7 @@ class FedSCServer(FedAvgServer):
     def __init__(self, options: FedSCOptions, spec, device):
         super().__init__(options, spec, device)
         n, c, d = spec.num_clients, spec.num_classes, spec.feature_dim
-        self.latest: dict[int, tuple[PrototypeSet, int]] = {}  # client -> (upload, version trained against)
+        self.latest: LatestUploads[PrototypeSet] = LatestUploads(spec.staleness_exponent)  # client -> (upload, tau)
         self.relational = np.zeros((n, c, d), np.float32)
         self.relational_mask = np.zeros((n, c), bool)
         self.bank = PrototypeBank(c, d)  # consistent prototypes o^j
@@ -218,21 +242,18 @@ class FedSCServer(FedAvgServer):
     def _scope(self, updates: list[ClientUpdate], weights: list[float], version: int
                ) -> tuple[dict[int, PrototypeSet], dict[int, float]]:
         """The client prototypes this version uses and each client's staleness weight."""
-        if self.options.prototype_scope == "latest":
+        if self.options.aggregation_scope == "latest":
             for u in updates:
                 if u.prototypes is not None and len(u.prototypes):
-                    prev = self.latest.get(u.client_id)
-                    if prev is None or u.base_version >= prev[1]:
-                        self.latest[u.client_id] = (u.prototypes, u.base_version)
-            sets = {k: ps for k, (ps, _) in self.latest.items()}
-            ws = {k: staleness_weight(max(0, version - 1 - v), self.spec.staleness_exponent)
-                  for k, (_, v) in self.latest.items()}
-            return sets, ws
-        sets, ws, seen = {}, {}, {}
+                    self.latest.offer(u.client_id, u.prototypes, u.base_version)
+            entries = self.latest.weighted(version)  # s_k = (1 + t - tau_k)^(-a), t = version - 1
+            return {k: ps for k, ps, _ in entries}, {k: w for k, _, w in entries}
+        # buffer: this version's uploads with the runtime's weights; of a client twice, the newer
+        buffered: LatestUploads[tuple[PrototypeSet, float]] = LatestUploads(self.spec.staleness_exponent)
         for u, w in zip(updates, weights, strict=False):
-            if u.prototypes is not None and len(u.prototypes) and u.base_version >= seen.get(u.client_id, -1):
-                sets[u.client_id], ws[u.client_id], seen[u.client_id] = u.prototypes, float(w), u.base_version
-        return sets, ws
+            if u.prototypes is not None and len(u.prototypes):
+                buffered.offer(u.client_id, (u.prototypes, float(w)), u.base_version)
+        return {k: ps for k, ((ps, _), _) in buffered.items()}, {k: w for k, ((_, w), _) in buffered.items()}
 
     def aggregate(self, updates, weights, version):
         metrics = super().aggregate(updates, weights, version)  # FedAvg of the weights
@@ -265,17 +286,13 @@ class FedSCServer(FedAvgServer):
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        latest = {str(c): {"class_ids": np.asarray(ps.class_ids).copy(), "vectors": np.asarray(ps.vectors).copy(),
-                           "counts": np.asarray(ps.counts).copy(), "trained_on": v}
-                  for c, (ps, v) in self.latest.items()}
-        state.update(latest=latest, relational=self.relational.copy(), relational_mask=self.relational_mask.copy(),
-                     bank=self.bank.state_dict())
+        state.update(latest=self.latest.state_dict(), relational=self.relational.copy(),
+                     relational_mask=self.relational_mask.copy(), bank=self.bank.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
-        self.latest = {int(c): (PrototypeSet(np.array(e["class_ids"]), np.array(e["vectors"]), np.array(e["counts"])),
-                                int(e["trained_on"])) for c, e in state.get("latest", {}).items()}
+        self.latest.load_state_dict(state.get("latest", {}))
         self.relational = np.array(state["relational"], np.float32)
         self.relational_mask = np.array(state["relational_mask"], bool)
         self.bank.load_state_dict(state["bank"])

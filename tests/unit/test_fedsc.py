@@ -52,7 +52,7 @@ def fixed_spec(num_clients=3, num_classes=3):
 def test_defaults_are_the_papers():
     o = ALGO.Options()
     assert (o.num_neighbors, o.tau, o.rpcl_weight, o.cpdr_weight) == (2, 0.05, 1.0, 1.0)
-    assert (o.cpdr_reduction, o.prototype_scope, o.server_lr) == ("sum", "latest", 1.0)
+    assert (o.cpdr_reduction, o.aggregation_scope, o.server_lr) == ("sum", "latest", 1.0)
     cfg = build_config({"algorithm": {"name": "fedsc"}, "model": {"group": "HtFE1"}})
     assert cfg.data.global_test_fraction == 0.2 and ALGO.requires_homogeneous_models
 
@@ -298,7 +298,7 @@ def test_latest_scope_keeps_every_client_with_its_staleness():
     a = pset([0, 1], [[1, 0], [0, 1]], [2, 2])
     b = pset([0, 1], [[3, 0], [0, 3]], [2, 2])
     latest = ALGO.Server(ALGO.Options(num_neighbors=0), spec, CPU)
-    buffer = ALGO.Server(ALGO.Options(num_neighbors=0, prototype_scope="buffer"), spec, CPU)
+    buffer = ALGO.Server(ALGO.Options(num_neighbors=0, aggregation_scope="buffer"), spec, CPU)
     for server in (latest, buffer):
         server.aggregate([ClientUpdate(0, 0, 4, prototypes=a)], [1.0], 1)
         server.aggregate([ClientUpdate(1, 1, 4, prototypes=b)], [1.0], 2)
@@ -317,7 +317,7 @@ def test_latest_scope_keeps_every_client_with_its_staleness():
 
 def test_buffer_scope_keeps_the_last_consistent_prototype_of_classes_not_in_the_buffer():
     spec = fixed_spec(num_clients=2, num_classes=2)
-    server = ALGO.Server(ALGO.Options(prototype_scope="buffer"), spec, CPU)
+    server = ALGO.Server(ALGO.Options(aggregation_scope="buffer"), spec, CPU)
     server.aggregate([ClientUpdate(0, 0, 2, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 1]))], [1.0], 1)
     server.aggregate([ClientUpdate(1, 1, 2, prototypes=pset([0], [[5, 0]], [2]))], [1.0], 2)
     np.testing.assert_allclose(server.broadcast(2).prototypes.vectors, [[5, 0], [0, 1]])
