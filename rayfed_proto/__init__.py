@@ -1,3 +1,11 @@
 """rayfed_proto: asynchronous, prototype-based federated learning on Ray actors."""
 
 __version__ = "0.1.0"
+
+# rayfed_proto.config imports neither rayfed_proto.data nor rayfed_proto.system: they register
+# their config checks (dataset and partitioner names, system profiles) with
+# config.register_check when imported. Python runs this file before any rayfed_proto.* module,
+# so importing them here puts the checks in place wherever a config is validated (CLI, driver,
+# actors, Tune trials, a direct build_config/load_config).
+import rayfed_proto.data  # noqa: E402,F401
+import rayfed_proto.system  # noqa: E402,F401

@@ -9,12 +9,18 @@ two layers, both before Ray starts:
 
 Every problem becomes a :class:`ConfigIssue` (key, value, what is allowed) and all of them are
 raised together as one :class:`ConfigError`, which the CLI turns into exit code 2.
+
+This module imports nothing of ``rayfed_proto.data`` or ``rayfed_proto.system``: the rules that need
+their registries or files are registered by them with :func:`register_check`, and importing the
+package (``rayfed_proto/__init__.py``, which runs before any ``rayfed_proto.*`` module) registers
+them, so every caller of :func:`build_config` gets them.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -551,19 +557,64 @@ def _algorithm_issues(name: str, options: dict[str, Any]) -> list[ConfigIssue]:
     return []
 
 
+# --------------------------------------------------------------------------- registered checks
+
+ConfigCheck = Callable[[ExperimentConfig], list[ConfigIssue]]
+# where each section's registered checks run in semantic_issues: "data" where the names are checked
+# (dataset, then partitioner: the order rayfed_proto.data imports its modules), "system" last
+CHECK_SECTIONS = ("data", "system")
+_CHECKS: dict[str, dict[str, ConfigCheck]] = {section: {} for section in CHECK_SECTIONS}
+
+
+def register_check(section: str) -> Callable[[ConfigCheck], ConfigCheck]:
+    """Decorator: ``fn(cfg) -> list[ConfigIssue]`` becomes part of :func:`semantic_issues`.
+
+    The module that owns a section's names or files registers its rules (``rayfed_proto.data``:
+    dataset and partitioner names; ``rayfed_proto.system``: the profile CSVs and
+    ``cost_per_sample``), so this module never imports it. A check is known by its module and
+    name: registering it again (a reloaded module) replaces it."""
+    if section not in _CHECKS:
+        raise ValueError(f"config check section {section!r}: one of {', '.join(CHECK_SECTIONS)}")
+
+    def decorator(fn: ConfigCheck) -> ConfigCheck:
+        _CHECKS[section][f"{fn.__module__}.{fn.__qualname__}"] = fn
+        return fn
+
+    return decorator
+
+
+def registered_checks(section: str) -> list[ConfigCheck]:
+    """The checks registered for ``section``, in registration order."""
+    return list(_CHECKS[section].values())
+
+
+def _registered_issues(section: str, cfg: ExperimentConfig) -> list[ConfigIssue]:
+    checks = registered_checks(section)
+    if not checks:  # never silently accept unknown names: the registering modules were not imported
+        raise RuntimeError(f"no config checks registered for {section!r}: they are registered when the "
+                           "rayfed_proto package is imported (rayfed_proto/__init__.py)")
+    return [issue for check in checks for issue in check(cfg)]
+
+
+def unknown_name_issues(key: str, value: Any, registry) -> list[ConfigIssue]:
+    """``[issue]`` naming every allowed name when ``value`` is not in ``registry`` (anything with
+    ``in`` and ``names()``, e.g. a :class:`rayfed_proto.registry.Registry`); ``[]`` when it is."""
+    if value in registry:
+        return []
+    return [ConfigIssue(key=key, value=value, allowed="one of " + ", ".join(registry.names()))]
+
+
 def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
-    """Rules that span fields or need the registries."""
+    """Rules that span fields or need the registries (plus the checks registered per section)."""
     from rayfed_proto.algorithms import ALGORITHMS
-    from rayfed_proto.data import DATASETS, PARTITIONERS
     from rayfed_proto.models import MODEL_GROUPS
 
     issues: list[ConfigIssue] = []
 
     def check_name(key: str, value: str, registry) -> bool:
-        if value not in registry:
-            issues.append(ConfigIssue(key=key, value=value, allowed="one of " + ", ".join(registry.names())))
-            return False
-        return True
+        found = unknown_name_issues(key, value, registry)
+        issues.extend(found)
+        return not found
 
     option_issues = _algorithm_issues(cfg.algorithm.name, cfg.algorithm.options())
     issues.extend(option_issues)
@@ -571,8 +622,7 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     if algo_cls is not None and not option_issues:  # the algorithm's own cross-field rules
         for key, value, allowed in cfg.algorithm_options().run_issues(cfg.federation.rounds):
             issues.append(ConfigIssue(key=f"algorithm.{key}", value=value, allowed=allowed))
-    check_name("data.name", cfg.data.name, DATASETS)
-    check_name("data.partition.name", cfg.data.partition.name, PARTITIONERS)
+    issues.extend(_registered_issues("data", cfg))  # data.name, data.partition.name
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)
 
     if algo_cls is not None and group_ok and algo_cls.requires_homogeneous_models:
@@ -620,10 +670,8 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     if res.client_num_gpus != "auto" and res.client_num_gpus > 1 and not float(res.client_num_gpus).is_integer():
         issues.append(ConfigIssue(key="resources.client_num_gpus", value=res.client_num_gpus,
                                   allowed="a fraction <= 1 or a whole number of GPUs (Ray's rule)"))
-    if cfg.system is not None:  # profile CSVs read now, so `validate` refuses a bad file before Ray starts
-        from rayfed_proto.system import system_issues
-
-        issues.extend(system_issues(cfg))
+    # system.*: profile CSVs read now, so `validate` refuses a bad file before Ray starts
+    issues.extend(_registered_issues("system", cfg))
     return issues
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from rayfed_proto.config import ConfigError, ConfigIssue
+from rayfed_proto.config import ConfigError, ConfigIssue, register_check
 
 if TYPE_CHECKING:
     from rayfed_proto.config import ExperimentConfig
@@ -272,9 +272,11 @@ def lognormal_speeds(seed: int, num_clients: int, sigma: float) -> np.ndarray:
     return np.exp(rng.normal(0.0, sigma, size=num_clients))
 
 
+@register_check("system")
 def system_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
-    """Cross-section checks of ``cfg.system`` (called by ``config.semantic_issues``): the profile
-    CSVs against ``federation.num_clients``, and ``cost_per_sample``'s architecture names."""
+    """Cross-section checks of ``cfg.system`` (registered with ``config.register_check``, so run by
+    ``config.semantic_issues``): the profile CSVs against ``federation.num_clients``, and
+    ``cost_per_sample``'s architecture names; none without ``system:``."""
     from rayfed_proto.models import ARCHITECTURES
 
     sysc = cfg.system

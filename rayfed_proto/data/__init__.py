@@ -4,6 +4,9 @@
 ``PARTITIONERS``: name -> ``(labels, num_clients, rng, cfg: PartitionConfig, dataset) -> list[np.ndarray]``
 (sample indices per client, before the per-client train/test split).
 ``DOMAIN_NAMES``: multi-domain dataset name -> its domain names (what ``data.domains`` may list).
+
+Importing this package also registers the config checks of ``data.name`` and
+``data.partition.name`` (``rayfed_proto.config.register_check``), datasets first.
 """
 
 from rayfed_proto.registry import Registry
@@ -11,9 +14,9 @@ from rayfed_proto.registry import Registry
 DATASETS: Registry = Registry("dataset")
 PARTITIONERS: Registry = Registry("partitioner")
 
-from rayfed_proto.data import datasets as _datasets  # noqa: E402,F401  (registers loaders)
+from rayfed_proto.data import datasets as _datasets  # noqa: E402,F401  (registers loaders, then the data.name check)
 from rayfed_proto.data import domains as _domains  # noqa: E402,F401  (registers multi-domain loaders)
-from rayfed_proto.data import partition as _partition  # noqa: E402,F401  (registers partitioners)
+from rayfed_proto.data import partition as _partition  # noqa: E402,F401  (registers partitioners, data.partition.name check)
 from rayfed_proto.data.base import ArrayDataset  # noqa: E402
 from rayfed_proto.data.datasets import DatasetNotFoundError, load_dataset  # noqa: E402
 from rayfed_proto.data.domains import DOMAIN_NAMES  # noqa: E402

@@ -15,7 +15,8 @@ of side ``cfg.image_size`` so that every client model sees one input shape, what
   in ``domains.py``; they fill ``ArrayDataset.domains``.
 
 torch, torchvision, PIL and scikit-learn are imported inside the functions that use them:
-``rayfed_proto.data`` is imported by config validation and the CLI, which must stay quick.
+``rayfed_proto.data`` is imported with the package (it registers the config check of
+``data.name``), by config validation and the CLI, which must stay quick.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Optional
 
 import numpy as np
 
-from rayfed_proto.config import DataConfig
+from rayfed_proto.config import ConfigIssue, DataConfig, ExperimentConfig, register_check, unknown_name_issues
 from rayfed_proto.data import DATASETS
 from rayfed_proto.data.base import ArrayDataset
 
@@ -47,6 +48,12 @@ def load_dataset(cfg: DataConfig, seed: int = 0) -> ArrayDataset:
         raise ValueError(f"data.domains = {cfg.domains} is set but dataset {cfg.name!r} has no domains; it applies to "
                          f"the multi-domain sets (digits_domains, multidigits, office_caltech10, pacs)")
     return dataset
+
+
+@register_check("data")
+def dataset_name_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """``data.name`` is a registered dataset (checked when the config is validated, before Ray starts)."""
+    return unknown_name_issues("data.name", cfg.data.name, DATASETS)
 
 
 # --------------------------------------------------------------------------- resizing

@@ -27,7 +27,7 @@ from typing import Optional
 
 import numpy as np
 
-from rayfed_proto.config import PartitionConfig
+from rayfed_proto.config import ConfigIssue, ExperimentConfig, PartitionConfig, register_check, unknown_name_issues
 from rayfed_proto.data import PARTITIONERS
 from rayfed_proto.data.base import ArrayDataset
 
@@ -36,6 +36,12 @@ _UNLABELLED = "unlabelled"  # a client's separate unlabelled pool (data.partitio
 # holdout rows of the Parquet file: client_id -1 and one of these splits
 HOLDOUT_CLIENT_ID = -1
 _HOLDOUTS = ("global_test", "public")
+
+
+@register_check("data")
+def partitioner_name_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """``data.partition.name`` is a registered partitioner (checked when the config is validated)."""
+    return unknown_name_issues("data.partition.name", cfg.data.partition.name, PARTITIONERS)
 
 
 def _empty_index() -> np.ndarray:

@@ -129,17 +129,3 @@ def check_fits_cluster(plan: TrialPlan, nodes: list[dict[str, float]], totals: d
                 issues.append(ConfigIssue(key="trial_resources", value=b, allowed="each bundle must fit on one node of the cluster"))
             break
     return issues
-
-
-def request_for_trials(ctx, spec) -> bool:
-    """Ask an autoscaling cluster for the placement groups of ``max_concurrent_trials`` trials (the
-    first corner of the search space stands for all) when it lacks them; True when asked. Tune's
-    pending trial groups are a demand the autoscaler serves too; this asks at once, for all."""
-    from rayfed_proto.runtime.autoscale import request_if_short
-    from rayfed_proto.tuning.spec import _corner_values
-    from rayfed_proto.tuning.trainable import trial_config
-
-    values = next(iter(_corner_values(spec.space)), {})
-    _, plan = trial_config(ctx, values)
-    concurrent = min(spec.file.max_concurrent_trials, spec.num_trials)
-    return request_if_short(plan.bundles * max(1, concurrent))

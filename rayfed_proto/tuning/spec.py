@@ -43,6 +43,7 @@ from rayfed_proto.config import (
     parse_override,
     set_dotted,
 )
+from rayfed_proto.preset_files import default_config_path, preset_names, presets_dir
 
 DISTRIBUTIONS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform")
 # Tune's metric: the MLflow name; the pre-namespacing names (head_acc...) are read as these for one release
@@ -262,8 +263,6 @@ class SweepSpec:
 
 
 def _resolve_base(base: Any, source_dir: Path, issues: list[ConfigIssue]) -> dict[str, Any]:
-    from rayfed_proto.cli import default_config_path, preset_names, presets_dir
-
     if isinstance(base, dict):
         return copy.deepcopy(base)
     if base is None:
