@@ -29,6 +29,8 @@ import sys
 import numpy as np
 from _common import add_common_args, check_configs, run_all, series, write_results
 
+from rayfed_proto.tracking import metric_names as names
+
 # mode -> overrides; {per} = updates per version, rounds follow from the total updates
 MODES = {
     "sync": {"per": 10, "set": ["federation.mode=sync", "federation.participation=0.2"]},
@@ -62,7 +64,7 @@ def run_overrides(method: str, mode: str, dataset: str, seed: int, args) -> list
 
 
 def time_to(history: list[dict], target: float) -> float:
-    acc, t = series(history, "head_acc"), series(history, "sim_time_s")
+    acc, t = series(history, names.EVAL_HEAD_ACC), series(history, names.FEDERATION_SIM_TIME_S)
     hit = np.flatnonzero(np.isfinite(acc) & (acc >= target))
     return float(t[hit[0]]) if hit.size else math.nan
 
@@ -75,9 +77,9 @@ def one_run(method: str, mode: str, dataset: str, seed: int, args) -> dict:
                             echo=lambda s: None)
     h = result.history
     return {"method": method, "mode": mode, "dataset": dataset, "seed": seed, "time_to_target": time_to(h, args.target),
-            "final_head": float(series(h, "head_acc")[-1]), "sim_time": float(series(h, "sim_time_s")[-1]),
-            "staleness_max": float(np.nanmax(series(h, "staleness_max"))),
-            "curve": [[float(x), float(y)] for x, y in zip(series(h, "sim_time_s"), series(h, "head_acc"), strict=True)],
+            "final_head": float(series(h, names.EVAL_HEAD_ACC)[-1]), "sim_time": float(series(h, names.FEDERATION_SIM_TIME_S)[-1]),
+            "staleness_max": float(np.nanmax(series(h, names.FEDERATION_STALENESS_MAX))),
+            "curve": [[float(x), float(y)] for x, y in zip(series(h, names.FEDERATION_SIM_TIME_S), series(h, names.EVAL_HEAD_ACC), strict=True)],
             "run_id": result.run_id}
 
 

@@ -24,6 +24,8 @@ import time
 import numpy as np
 from _common import add_common_args, cell, check_configs, final_best, run_all, write_results
 
+from rayfed_proto.tracking import metric_names as names
+
 DOMAINS = ["original", "inverted", "rotated", "noisy", "tinted"]
 
 
@@ -72,8 +74,9 @@ def one_run(method: str, seed: int, args) -> dict:
     t0 = time.perf_counter()
     result = run_experiment(build_config({}, run_overrides(method, seed, args)), progress=False, echo=lambda s: None)
     row = {"method": method, "seed": seed, "run_id": result.run_id, "seconds": time.perf_counter() - t0}
-    for key, name in [("head_acc", "head"), ("proto_acc", "proto"), ("global_acc", "global"),
-                      ("global_acc_domain_mean", "global_domain_mean")] + [(f"global_acc_{d}", d) for d in DOMAINS]:
+    for key, name in [(names.EVAL_HEAD_ACC, "head"), (names.EVAL_PROTO_ACC, "proto"), (names.EVAL_GLOBAL_ACC, "global"),
+                      (names.EVAL_GLOBAL_ACC_DOMAIN_MEAN, "global_domain_mean")] + [
+                          (names.server_metric(f"global_acc_{d}"), d) for d in DOMAINS]:
         row[f"final_{name}"], row[f"best_{name}"] = final_best(result.history, key)
     return row
 

@@ -28,6 +28,8 @@ import sys
 import numpy as np
 from _common import add_common_args, cell, check_configs, final_best, run_all, write_results
 
+from rayfed_proto.tracking import metric_names as names
+
 DATASETS = {
     "digits": ["data.name=digits"],
     "synthetic": ["data.name=synthetic", "data.num_samples=3000", "data.num_classes=10", "data.channels=1"],
@@ -67,11 +69,11 @@ def one_run(method: str, dataset: str, seed: int, args) -> dict:
 
     result = run_experiment(build_config({}, run_overrides(method, dataset, seed, args)), progress=False, echo=lambda s: None)
     hist = result.history
-    (final_head, best_head), (final_proto, best_proto) = final_best(hist, "head_acc"), final_best(hist, "proto_acc")
+    (final_head, best_head), (final_proto, best_proto) = final_best(hist, names.EVAL_HEAD_ACC), final_best(hist, names.EVAL_PROTO_ACC)
     row = {"method": method, "dataset": dataset, "seed": seed, "final_head": final_head, "best_head": best_head,
            "final_proto": final_proto, "best_proto": best_proto,
            "final_silhouette": float(hist[-1].get("silhouette_mean", math.nan)), "run_id": result.run_id}
-    final_global, best_global = final_best(hist, "global_acc")
+    final_global, best_global = final_best(hist, names.EVAL_GLOBAL_ACC)
     if math.isfinite(final_global):  # a server-held model evaluated on the global test set (FedProtoKD)
         row["final_global"], row["best_global"] = final_global, best_global
     return row

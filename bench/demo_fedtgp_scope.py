@@ -14,6 +14,7 @@ import ray
 from rayfed_proto.cli import resolve_config_arg
 from rayfed_proto.config import load_config
 from rayfed_proto.runtime.driver import run_experiment
+from rayfed_proto.tracking import metric_names as names
 
 os.makedirs("/tmp/wt15demo", exist_ok=True)
 ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -26,11 +27,11 @@ for seed in (0, 1, 2):
               f"tracking.run_name=demo-{scope}-s{seed}"])
         res = run_experiment(cfg, progress=False, echo=lambda s: None)
         h = res.history
-        head = [x.get("head_acc", math.nan) for x in h]
-        proto = [x.get("proto_acc", math.nan) for x in h]
+        head = [x.get(names.EVAL_HEAD_ACC, math.nan) for x in h]
+        proto = [x.get(names.EVAL_PROTO_ACC, math.nan) for x in h]
         row = {"seed": seed, "scope": scope, "seconds": time.perf_counter() - t0,
                "versions": [x["version"] for x in h], "head": head, "proto": proto,
-               "rolled_back": h[-1].get("versions_rolled_back")}
+               "rolled_back": h[-1].get(names.SERVER_VERSIONS_ROLLED_BACK)}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("versions",)}), flush=True)
         json.dump(rows, open("/tmp/wt15demo/rows.json", "w"))

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rayfed_proto.tracking import metric_names as names
+
 BASE = ["algorithm.name=fedproto", "data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20",
         "model.group=small_hetero", "model.feature_dim=32", "federation.num_clients=4", "federation.eval_every=1"]
 
@@ -89,7 +91,7 @@ def scenario_runs(tmp: Path, rounds: int):
         except RunInterrupted as stop:
             resumed = run_experiment(cfg("stopped", common), resume_dir=stop.output_dir, **quiet)
         a, b = straight.history[-1], resumed.history[-1]
-        keys = [k for k in a if k.endswith(("_acc", "_loss", "_mean")) and not k.startswith(("staleness", "wall"))]
+        keys = [k for k in a if k.endswith(("_acc", "loss", "_mean")) and not k.startswith("federation/")]
         differ = [k for k in keys if a[k] != b.get(k)]
         if differ:
             print(f"resumed run differs from the uninterrupted one in {differ}", flush=True)
@@ -134,7 +136,7 @@ def guard_scenarios(tmp: Path, rounds: int):
     def empty_sync():
         result = run_experiment(cfg("all_garbage_sync", ["federation.mode=sync", "checkpoint.every=0",
                                                          "faults.corrupt_clients=[0,1,2,3]"]), **quiet)
-        return f"finished; versions_empty={result.history[-1]['versions_empty']} of {result.final_version}"
+        return f"finished; versions_empty={result.history[-1][names.FEDERATION_VERSIONS_EMPTY]} of {result.final_version}"
 
     yield "guard: every update refused (sync)", "counted and warned per version", empty_sync
 
@@ -216,10 +218,12 @@ def main(argv=None) -> int:
                 bank = result.output_dir / "global_prototypes.npz"
                 row = {"scenario": name, "injected": len(done) if done is not None else injected,
                        "finished": result.final_version == args.rounds,
-                       "client_failures": last["client_failures"], "clients_excluded": last["clients_excluded"],
-                       "server_restarts": last["server_restarts"],
-                       "updates_lost": last["updates_lost_client"] + last["updates_lost_server"],
-                       "versions_redone": last["versions_redone"], "updates_refused": last["updates_refused"],
+                       "client_failures": last[names.RELIABILITY_CLIENT_FAILURES],
+                       "clients_excluded": last[names.RELIABILITY_CLIENTS_EXCLUDED],
+                       "server_restarts": last[names.RELIABILITY_SERVER_RESTARTS],
+                       "updates_lost": last[names.RELIABILITY_UPDATES_LOST_CLIENT] + last[names.RELIABILITY_UPDATES_LOST_SERVER],
+                       "versions_redone": last[names.RELIABILITY_VERSIONS_REDONE],
+                       "updates_refused": last[names.FEDERATION_UPDATES_REFUSED],
                        "global_state_finite": bool(np.isfinite(np.load(bank)["vectors"]).all()) if bank.exists() else None,
                        "exact_resume": getattr(result, "exact", None), "wall_s": round(time.perf_counter() - t0, 1)}
             except Exception as e:  # a drill reports a failure instead of stopping the others

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rayfed_proto.tracking import metric_names as names
+
 
 def run_with_checkpoints(seed: int, rounds: int, out_root: str) -> Path:
     import compare_methods as cm
@@ -92,7 +94,7 @@ def analyse(run_dir: Path) -> list[dict]:
             "top_client": int(clients[top]), "top_client_share": float(share[top]),
             "top_client_logit_std": float(scale[top]), "top_client_public_acc": acc(logits[top]),
             "median_logit_std_others": float(np.median(np.delete(scale.numpy(), top))),
-            "global_acc": history.get(version, {}).get("global_acc"),
+            "global_acc": history.get(version, {}).get(names.EVAL_GLOBAL_ACC),
         })
     return rows
 

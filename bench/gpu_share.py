@@ -23,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plain import run_plain, write_results  # noqa: E402
 
+from rayfed_proto.tracking import metric_names as names  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -55,7 +57,7 @@ def main() -> None:
         for layout in ("1", "auto"):
             cfg = build_config({}, base + track + [f"resources.clients_per_actor={layout}"])
             res = run_experiment(cfg, progress=True)
-            walls = [h["wall_s"] for h in res.history]
+            walls = [h[names.FEDERATION_WALL_S] for h in res.history]
             from rayfed_proto.data import load_dataset, make_partition
 
             ds = load_dataset(cfg.data, cfg.seed)
@@ -68,7 +70,7 @@ def main() -> None:
                          "gpu_share": res.resource_plan["client_num_gpus"],
                          "samples_per_s": round(samples / per_round, 1),
                          "gpu_peak_mib_per_actor_max": round(max(gpu), 1), "gpu_peak_mib_total": round(sum(gpu), 1),
-                         "head_acc": round(res.history[-1]["head_acc"], 4)})
+                         "head_acc": round(res.history[-1][names.EVAL_HEAD_ACC], 4)})
             print(rows[-1], flush=True)
         ray.shutdown()
         plain = run_plain(build_config({}, base + track), device="cuda")

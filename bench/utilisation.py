@@ -22,6 +22,8 @@ import time
 
 import numpy as np
 
+from rayfed_proto.tracking import metric_names as names
+
 
 def run(mode: str, args) -> dict:
     from rayfed_proto.config import build_config
@@ -42,15 +44,16 @@ def run(mode: str, args) -> dict:
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     total = time.perf_counter() - t0
     last = result.history[-1]
-    updates = last["updates_dispatched"]
+    updates = last[names.FEDERATION_UPDATES_DISPATCHED]
     return {
         "mode": mode, "slots": args.slots, "versions": result.final_version, "updates": updates,
-        "busy_s": last["client_busy_s"], "wall_s": last["wall_s"], "utilisation": last["slot_utilisation"],
-        "mean_update_s": last["client_busy_s"] / max(updates, 1), "total_s_incl_startup": total,
+        "busy_s": last[names.FEDERATION_CLIENT_BUSY_S], "wall_s": last[names.FEDERATION_WALL_S],
+        "utilisation": last[names.FEDERATION_SLOT_UTILISATION],
+        "mean_update_s": last[names.FEDERATION_CLIENT_BUSY_S] / max(updates, 1), "total_s_incl_startup": total,
         "peak_rss_mib_client_actor": max(p["peak_rss_mib"] for p in result.placements[:-1]),
         "peak_rss_mib_server": result.placements[-1]["peak_rss_mib"],
         "pss_mib_client_actor": max(p["pss_mib"] for p in result.placements[:-1]),
-        "final_head_acc": last["head_acc"], "staleness_mean": last["staleness_mean"],
+        "final_head_acc": last[names.EVAL_HEAD_ACC], "staleness_mean": last[names.FEDERATION_STALENESS_MEAN],
     }
 
 

@@ -17,13 +17,14 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-PER_CLIENT = "per_client"  # key under which the scheduler hands the evaluation's per-client results
-SERIES = ("head_acc", "proto_acc", "train_loss", "samples")
+from rayfed_proto.tracking.metric_names import client_series
+
 EXTREMES = 3  # worst and best clients added to a sample
 
 
 def client_row(result: dict[str, Any]) -> dict[str, float]:
-    """One client's evaluation as the four series values (accuracies are fractions)."""
+    """One client's evaluation as the four series values (accuracies are fractions), by series
+    (``metric_names.CLIENT_SERIES``; the metric is ``client_series(client_id, series)``)."""
     n = int(result.get("n", 0))
     row = {"samples": float(n)}
     if n > 0:
@@ -34,10 +35,6 @@ def client_row(result: dict[str, Any]) -> dict[str, float]:
     if isinstance(loss, (int, float)) and math.isfinite(loss):
         row["train_loss"] = float(loss)
     return row
-
-
-def client_key(client_id: int, name: str) -> str:
-    return f"client/{client_id}/{name}"
 
 
 class ClientSeries:
@@ -61,7 +58,7 @@ class ClientSeries:
             row = client_row(r)
             self.last[c] = row
             if c in self._chosen:
-                out.update({client_key(c, k): v for k, v in row.items()})
+                out.update({client_series(c, k): v for k, v in row.items()})
             else:
                 self.kept.setdefault(c, []).append((step, row))
         return out
@@ -78,7 +75,7 @@ class ClientSeries:
         if self.every:
             return [], f"all {self.num_clients} clients"
         worst, best = self.extremes()
-        points = [(client_key(c, k), v, step) for c in dict.fromkeys(worst + best) if c not in self._chosen
+        points = [(client_series(c, k), v, step) for c in dict.fromkeys(worst + best) if c not in self._chosen
                   for step, row in self.kept.get(c, []) for k, v in row.items()]
         return points, (f"seeded sample of {len(self.chosen)} of {self.num_clients} clients {self.chosen}; "
                         f"worst {worst} and best {best} by final head accuracy")

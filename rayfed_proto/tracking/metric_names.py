@@ -1,117 +1,223 @@
-"""MLflow metric names: flat run-time keys -> namespaced keys that the MLflow UI groups into sections.
+"""Metric names: the one place where a metric key is made.
 
-Why one place: the scheduler, the server and the algorithms keep producing the flat keys they
-always did (``head_acc``, ``train_loss``, ``staleness_mean``...). These flat keys are what the
-in-process history holds (``RunResult.history``, ``on_eval``, checkpoints), so checkpoints written
-before the rename still resume. Every *output* a person or a tool browses (MLflow metrics, Tune
-reports, the history.csv / history.parquet artifacts, the sweep ranking) goes through
-:func:`mlflow_key` / :func:`namespaced`, applied where the metrics leave the process.
+Every metric the runtime produces is *born* with its final, namespaced name (the MLflow UI groups
+the keys into sections by their first ``/`` part): the evaluation, the driver's counters, the
+per-client series and the history rows all take their keys from the constants and functions
+below, so ``RunResult.history``, the ``on_eval`` callback, the checkpoints' driver state, the
+history.csv / history.parquet artifacts, Tune reports and MLflow hold the *same* names. Nothing
+renames a key on its way out.
 
-Rules, in order (the table in docs/configuration.md "Metric names" lists every known key):
+Sections (docs/concepts.md "Metrics" lists every name):
 
-* ``EXACT``: the keys the runtime itself produces, each mapped by hand;
-* ``train_<term>``   -> ``train/<term>`` (terms a method reports from local training);
-* ``global_acc...``  -> ``eval/global_acc...`` (the server's model on the global test set);
-* ``server_<x>``     -> ``server/<x>``;
-* a key that already holds a ``/`` is left alone (already namespaced: ``client/3/head_acc``);
-* anything else      -> ``server/<key>``: the only producer of other keys is an algorithm's
-  ``aggregate`` (``xi_mean``, ``anchor_loss``...), i.e. server-side metrics.
+* ``eval/``: the clients' models on their test splits; the server's model on the global test set
+  (``eval/global_acc...``, see :func:`server_metric`);
+* ``train/``: :func:`train_term`, the mean over clients of each client's latest *local update*
+  terms (``train/loss``: the clients' local-update loss);
+* ``server/``: the server's own counters, and :func:`server_metric`, whatever an algorithm's
+  ``aggregate`` (its *server step*) returns (``server/train_loss`` for an aggregate key
+  ``train_loss``, ``server/loss`` for FedTGP's ``server_loss``): never the same name as a client
+  figure or a runtime counter;
+* ``federation/``, ``reliability/``, ``system/``: traffic and update flow, failures survived,
+  actors' memory;
+* ``client/<id>/<series>`` (:func:`client_series`), ``model/<name>/<key>`` (:func:`model_metric`),
+  ``best/<metric>`` and ``sweep/`` (the sweep's parent run).
 
-Old names stay readable for one release through :func:`resolve` (``get_metric_history`` on an old
-name, ``metric: head_acc`` in a sweep file): they are *not* logged twice, since a second flat copy
-of every metric is exactly the 49-chart flat list the rename removes.
+``version`` (the step) is a history column, never a metric.
+
+Reading *old* runs: up to 0.1.x the runtime produced flat keys (``head_acc``, ``train_loss``...)
+and renamed them where they left the process. :data:`LEGACY` and :func:`mlflow_key` are now only
+the reader's translation of those old names: :func:`resolve` (``metric: head_acc`` in a sweep
+file, with a DeprecationWarning), :func:`get_metric_history` (a run logged before the rename), and
+:func:`upgrade_history` (a checkpoint whose saved history has flat keys, converted once on load).
 """
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 SCHEMA_VERSION = "2"  # run tag rayfed_proto.metric_names: "2" = namespaced keys (absent: the flat keys)
 SCHEMA_TAG = "rayfed_proto.metric_names"
 
-EXACT: dict[str, str] = {
-    "version": "version",  # the step, never a metric; kept as is in the history artifacts
-    # evaluation of the clients' models on their own test splits
-    "head_acc": "eval/head_acc",
-    "head_acc_mean": "eval/head_acc_mean",
-    "head_acc_std": "eval/head_acc_std",
-    "proto_acc": "eval/proto_acc",
-    "proto_acc_mean": "eval/proto_acc_mean",
-    "proto_acc_std": "eval/proto_acc_std",
-    "silhouette_mean": "eval/silhouette_mean",
-    "clients_nonfinite": "eval/clients_nonfinite",
-    # the server's prototypes and its own work
-    "proto_margin_min": "server/proto_margin_min",
-    "proto_margin_mean": "server/proto_margin_mean",
-    "server_train_s": "server/train_s",
-    "versions_rolled_back": "server/versions_rolled_back",
-    # the federation: traffic, staleness, update flow, time
-    "bytes_up": "federation/bytes_up",
-    "bytes_down": "federation/bytes_down",
-    "staleness_mean": "federation/staleness_mean",
-    "staleness_max": "federation/staleness_max",
-    "updates_accepted": "federation/updates_accepted",
-    "updates_dropped": "federation/updates_dropped",
-    "updates_late": "federation/updates_late",
-    "updates_refused": "federation/updates_refused",
-    "updates_dispatched": "federation/updates_dispatched",
-    "updates_withheld_after_end": "federation/updates_withheld_after_end",
-    "client_busy_s": "federation/client_busy_s",
-    "slot_utilisation": "federation/slot_utilisation",
-    "wall_s": "federation/wall_s",
-    "sim_time_s": "federation/sim_time_s",  # simulated seconds at the version (virtual clock, system: profiles)
-    "time_to_target_sim_s": "federation/time_to_target_sim_s",  # tracking.target_accuracy first reached
-    "time_to_target_wall_s": "federation/time_to_target_wall_s",
-    "startup_s": "federation/startup_s",  # run start (a process's first run: process start) to the first update
-    "versions_empty": "federation/versions_empty",  # sync versions that aggregated nothing
-    # failures survived
-    "client_failures": "reliability/client_failures",
-    "client_actor_restarts": "reliability/client_actor_restarts",
-    "updates_lost_client": "reliability/updates_lost_client",
-    "server_restarts": "reliability/server_restarts",
-    "updates_lost_server": "reliability/updates_lost_server",
-    "versions_redone": "reliability/versions_redone",
-    "evals_incomplete": "reliability/evals_incomplete",
-    "clients_excluded": "reliability/clients_excluded",
-    "checkpoints_written": "reliability/checkpoints_written",
-    "checkpoints_failed": "reliability/checkpoints_failed",
-    # actors' memory (the System metrics tab shows every system/ key)
-    "peak_rss_mib_client_actor_max": "system/actors/client_peak_rss_mib_max",
-    "pss_mib_client_actor_max": "system/actors/client_pss_mib_max",
-    "pss_mib_client_actors_total": "system/actors/client_pss_mib_total",
-    "peak_rss_mib_server": "system/actors/server_peak_rss_mib",
-}
+VERSION = "version"  # the step: a column of the history, never a metric
+PER_CLIENT = "per_client"  # not a metric: the evaluation's per-client results, taken out by the driver
 
-# metrics of the sweep's parent run
+# ------------------------------------------------------------------------------ eval/
+EVAL_HEAD_ACC = "eval/head_acc"
+EVAL_HEAD_ACC_MEAN = "eval/head_acc_mean"
+EVAL_HEAD_ACC_STD = "eval/head_acc_std"
+EVAL_PROTO_ACC = "eval/proto_acc"
+EVAL_PROTO_ACC_MEAN = "eval/proto_acc_mean"
+EVAL_PROTO_ACC_STD = "eval/proto_acc_std"
+EVAL_SILHOUETTE_MEAN = "eval/silhouette_mean"
+EVAL_CLIENTS_NONFINITE = "eval/clients_nonfinite"
+EVAL_GLOBAL_ACC = "eval/global_acc"  # server_metric("global_acc"); also global_acc_<domain>, global_acc_domain_mean
+EVAL_GLOBAL_ACC_DOMAIN_MEAN = "eval/global_acc_domain_mean"
+# ------------------------------------------------------------------------------ server/ (the runtime's own)
+SERVER_PROTO_MARGIN_MIN = "server/proto_margin_min"
+SERVER_PROTO_MARGIN_MEAN = "server/proto_margin_mean"
+SERVER_TRAIN_S = "server/train_s"
+SERVER_VERSIONS_ROLLED_BACK = "server/versions_rolled_back"
+# ------------------------------------------------------------------------------ federation/
+FEDERATION_BYTES_UP = "federation/bytes_up"
+FEDERATION_BYTES_DOWN = "federation/bytes_down"
+FEDERATION_STALENESS_MEAN = "federation/staleness_mean"
+FEDERATION_STALENESS_MAX = "federation/staleness_max"
+FEDERATION_UPDATES_ACCEPTED = "federation/updates_accepted"
+FEDERATION_UPDATES_DROPPED = "federation/updates_dropped"
+FEDERATION_UPDATES_LATE = "federation/updates_late"
+FEDERATION_UPDATES_REFUSED = "federation/updates_refused"
+FEDERATION_UPDATES_DISPATCHED = "federation/updates_dispatched"
+FEDERATION_UPDATES_WITHHELD_AFTER_END = "federation/updates_withheld_after_end"
+FEDERATION_CLIENT_BUSY_S = "federation/client_busy_s"
+FEDERATION_SLOT_UTILISATION = "federation/slot_utilisation"
+FEDERATION_WALL_S = "federation/wall_s"
+FEDERATION_SIM_TIME_S = "federation/sim_time_s"  # simulated seconds at the version (virtual clock, system: profiles)
+FEDERATION_TIME_TO_TARGET_SIM_S = "federation/time_to_target_sim_s"  # tracking.target_accuracy first reached
+FEDERATION_TIME_TO_TARGET_WALL_S = "federation/time_to_target_wall_s"
+FEDERATION_STARTUP_S = "federation/startup_s"  # run start (a process's first run: process start) to the first update
+FEDERATION_VERSIONS_EMPTY = "federation/versions_empty"  # sync versions that aggregated nothing
+# ------------------------------------------------------------------------------ reliability/
+RELIABILITY_CLIENT_FAILURES = "reliability/client_failures"
+RELIABILITY_CLIENT_ACTOR_RESTARTS = "reliability/client_actor_restarts"
+RELIABILITY_UPDATES_LOST_CLIENT = "reliability/updates_lost_client"
+RELIABILITY_SERVER_RESTARTS = "reliability/server_restarts"
+RELIABILITY_UPDATES_LOST_SERVER = "reliability/updates_lost_server"
+RELIABILITY_VERSIONS_REDONE = "reliability/versions_redone"
+RELIABILITY_EVALS_INCOMPLETE = "reliability/evals_incomplete"
+RELIABILITY_CLIENTS_EXCLUDED = "reliability/clients_excluded"
+RELIABILITY_CHECKPOINTS_WRITTEN = "reliability/checkpoints_written"
+RELIABILITY_CHECKPOINTS_FAILED = "reliability/checkpoints_failed"
+# ------------------------------------------------------------------------------ system/ (actors' memory at the end)
+SYSTEM_CLIENT_PEAK_RSS_MIB_MAX = "system/actors/client_peak_rss_mib_max"
+SYSTEM_CLIENT_PSS_MIB_MAX = "system/actors/client_pss_mib_max"
+SYSTEM_CLIENT_PSS_MIB_TOTAL = "system/actors/client_pss_mib_total"
+SYSTEM_SERVER_PEAK_RSS_MIB = "system/actors/server_peak_rss_mib"
+SYSTEM_SERVER_PSS_MIB = "system/actors/server_pss_mib"
+# ------------------------------------------------------------------------------ the sweep's parent run
 SWEEP_TRIALS = "sweep/trials"
 SWEEP_TRIALS_ERRORED = "sweep/trials_errored"
 
+CLIENT_SERIES = ("head_acc", "proto_acc", "train_loss", "samples")  # client/<id>/<series>
+ACTOR_MEMORY = ("peak_rss_mib", "pss_mib")  # system/actors/client_actor_<a>_<figure>
 
-def mlflow_key(key: str) -> str:
-    """The namespaced name of a run-time metric key (see the module docstring for the rules)."""
-    if key in EXACT:
-        return EXACT[key]
-    if "/" in key:
-        return key
-    if key.startswith("train_"):
-        return "train/" + key[len("train_"):]
+# every fixed name above (the functions below make the others)
+NAMES: frozenset[str] = frozenset(v for k, v in dict(globals()).items()
+                                  if k.isupper() and isinstance(v, str) and "/" in v)
+
+
+def train_term(term: str) -> str:
+    """A local-update term of the clients (mean over clients of each one's latest update):
+    ``train_term("loss") -> "train/loss"``."""
+    return f"train/{term}"
+
+
+def server_metric(key: str) -> str:
+    """A metric of the server step, as an algorithm's ``aggregate`` (or the server's global-test
+    evaluation) returns it: ``global_acc...`` -> ``eval/global_acc...``; ``server_<x>`` ->
+    ``server/<x>``; anything else -> ``server/<key>`` (``train_loss`` -> ``server/train_loss``,
+    never the clients' ``train/loss``). A name that would fall on one of the runtime's own names
+    (``server/train_s``...) goes to ``server/aggregate/<x>`` instead: it can never overwrite one."""
     if key.startswith("global_acc"):
-        return "eval/" + key
-    if key.startswith("server_"):
-        return "server/" + key[len("server_"):]
-    return "server/" + key
+        return f"eval/{key}"
+    name = key[len("server_"):] if key.startswith("server_") and len(key) > len("server_") else key
+    out = f"server/{name}"
+    return f"server/aggregate/{name}" if out in NAMES else out
 
 
-def namespaced(metrics: Mapping[str, Any]) -> dict[str, Any]:
-    """``metrics`` with every key passed through :func:`mlflow_key` (values untouched)."""
-    return {mlflow_key(k): v for k, v in metrics.items()}
+def client_series(client_id: int, series: str) -> str:
+    """One client's series: ``client_series(3, "head_acc") -> "client/3/head_acc"``."""
+    return f"client/{int(client_id)}/{series}"
+
+
+def model_metric(model: str, key: str) -> str:
+    """A figure measured when a model was logged, linked to it: ``model/client_3/head_acc``."""
+    return f"model/{model}/{key}"
+
+
+def actor_memory(actor: int, figure: str) -> str:
+    """One client actor's memory at the end: ``system/actors/client_actor_<a>_<figure>``."""
+    return f"system/actors/client_actor_{int(actor)}_{figure}"
+
+
+def sweep_best(metric: str) -> str:
+    """The sweep parent's best value of ``metric``: ``best/eval/head_acc``."""
+    return f"best/{metric}"
+
+
+_MADE = re.compile("|".join((r"train/[^/]+", r"server/(aggregate/)?[^/]+", r"eval/global_acc[^/]*",
+                              rf"client/\d+/({'|'.join(CLIENT_SERIES)})", r"model/[^/]+/[^/]+",
+                              rf"system/actors/client_actor_\d+_({'|'.join(ACTOR_MEMORY)})", r"best/.+")))
+
+
+def is_name(key: str) -> bool:
+    """Whether ``key`` is a name this module makes (a constant, or the output of one of its functions)."""
+    return key in NAMES or _MADE.fullmatch(key) is not None
+
+
+# ------------------------------------------------------------------------------ old flat names (readers only)
+
+LEGACY: dict[str, str] = {
+    "head_acc": EVAL_HEAD_ACC, "head_acc_mean": EVAL_HEAD_ACC_MEAN, "head_acc_std": EVAL_HEAD_ACC_STD,
+    "proto_acc": EVAL_PROTO_ACC, "proto_acc_mean": EVAL_PROTO_ACC_MEAN, "proto_acc_std": EVAL_PROTO_ACC_STD,
+    "silhouette_mean": EVAL_SILHOUETTE_MEAN, "clients_nonfinite": EVAL_CLIENTS_NONFINITE,
+    "proto_margin_min": SERVER_PROTO_MARGIN_MIN, "proto_margin_mean": SERVER_PROTO_MARGIN_MEAN,
+    "server_train_s": SERVER_TRAIN_S, "versions_rolled_back": SERVER_VERSIONS_ROLLED_BACK,
+    "bytes_up": FEDERATION_BYTES_UP, "bytes_down": FEDERATION_BYTES_DOWN,
+    "staleness_mean": FEDERATION_STALENESS_MEAN, "staleness_max": FEDERATION_STALENESS_MAX,
+    "updates_accepted": FEDERATION_UPDATES_ACCEPTED, "updates_dropped": FEDERATION_UPDATES_DROPPED,
+    "updates_late": FEDERATION_UPDATES_LATE, "updates_refused": FEDERATION_UPDATES_REFUSED,
+    "updates_dispatched": FEDERATION_UPDATES_DISPATCHED,
+    "updates_withheld_after_end": FEDERATION_UPDATES_WITHHELD_AFTER_END,
+    "client_busy_s": FEDERATION_CLIENT_BUSY_S, "slot_utilisation": FEDERATION_SLOT_UTILISATION,
+    "wall_s": FEDERATION_WALL_S, "sim_time_s": FEDERATION_SIM_TIME_S,
+    "time_to_target_sim_s": FEDERATION_TIME_TO_TARGET_SIM_S, "time_to_target_wall_s": FEDERATION_TIME_TO_TARGET_WALL_S,
+    "startup_s": FEDERATION_STARTUP_S, "versions_empty": FEDERATION_VERSIONS_EMPTY,
+    "client_failures": RELIABILITY_CLIENT_FAILURES, "client_actor_restarts": RELIABILITY_CLIENT_ACTOR_RESTARTS,
+    "updates_lost_client": RELIABILITY_UPDATES_LOST_CLIENT, "server_restarts": RELIABILITY_SERVER_RESTARTS,
+    "updates_lost_server": RELIABILITY_UPDATES_LOST_SERVER, "versions_redone": RELIABILITY_VERSIONS_REDONE,
+    "evals_incomplete": RELIABILITY_EVALS_INCOMPLETE, "clients_excluded": RELIABILITY_CLIENTS_EXCLUDED,
+    "checkpoints_written": RELIABILITY_CHECKPOINTS_WRITTEN, "checkpoints_failed": RELIABILITY_CHECKPOINTS_FAILED,
+    "peak_rss_mib_client_actor_max": SYSTEM_CLIENT_PEAK_RSS_MIB_MAX,
+    "pss_mib_client_actor_max": SYSTEM_CLIENT_PSS_MIB_MAX, "pss_mib_client_actors_total": SYSTEM_CLIENT_PSS_MIB_TOTAL,
+    "peak_rss_mib_server": SYSTEM_SERVER_PEAK_RSS_MIB,
+}
+
+
+def mlflow_key(old: str) -> str:
+    """An old (0.1.x) flat key -> today's name; a name holding a ``/`` (or ``version``) is
+    returned as is. Readers only (old runs, old sweep files, old checkpoints): the runtime makes
+    its names with the constants and functions above. An old ``train_<term>`` was the clients'
+    local-update mean: ``train/<term>``; any other old key was an aggregate metric: ``server/...``."""
+    if old == VERSION or "/" in old:
+        return old
+    if old in LEGACY:
+        return LEGACY[old]
+    if old.startswith("train_"):
+        return train_term(old[len("train_"):])
+    return server_metric(old)
+
+
+def upgrade_history(history: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """A history (rows of one evaluation each) with every old flat key under today's name: the
+    one conversion of a checkpoint saved before the rename, done once when it is loaded. Rows
+    already holding today's names are returned unchanged (as copies)."""
+    out = []
+    for row in history:
+        new: dict[str, Any] = {}
+        for k, v in row.items():
+            name = mlflow_key(k)
+            if name not in new or name == k:  # a row with both spellings: today's name wins
+                new[name] = v
+        out.append(new)
+    return out
 
 
 def resolve(name: str, *, warn: bool = True) -> str:
     """A metric name as a reader may write it -> the logged name. Old flat names (the names up to
-    this release) are translated, with a DeprecationWarning; new names pass through."""
+    0.1.x) are translated, with a DeprecationWarning; new names pass through."""
     if "/" in name:
         return name
     new = mlflow_key(name)

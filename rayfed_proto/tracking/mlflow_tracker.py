@@ -8,13 +8,16 @@ elsewhere (Tune trials, Ray workers) write to the same store.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from rayfed_proto.config import TrackingConfig
-from rayfed_proto.tracking.metric_names import SCHEMA_TAG, SCHEMA_VERSION, mlflow_key
+from rayfed_proto.tracking.metric_names import EVAL_HEAD_ACC, SCHEMA_TAG, SCHEMA_VERSION, is_name
+
+log = logging.getLogger("rayfed_proto")
 
 
 def resolve_tracking_uri(uri: Optional[str]) -> str:
@@ -91,7 +94,7 @@ class MlflowTracker:
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         return self.run_id
 
-    def note_superseded_steps(self, after: int, key: str = "head_acc") -> list[int]:
+    def note_superseded_steps(self, after: int, key: str = EVAL_HEAD_ACC) -> list[int]:
         """Resuming from a checkpoint whose history ends at version ``after``: steps above it that
         the earlier driver had already logged are redone now, so MLflow will hold two points for them (it cannot delete
         one). Record them in the tag ``superseded_steps`` (the later point of each is the valid
@@ -99,7 +102,7 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.uri)
-        steps = sorted({m.step for m in client.get_metric_history(self.run_id, mlflow_key(key)) if m.step > after})
+        steps = sorted({m.step for m in client.get_metric_history(self.run_id, key) if m.step > after})
         if steps:
             before = client.get_run(self.run_id).data.tags.get("superseded_steps")
             span = f"{steps[0]}-{steps[-1]}" if len(steps) > 1 else str(steps[0])
@@ -107,10 +110,12 @@ class MlflowTracker:
         return steps
 
     def log_metrics(self, metrics: dict[str, Any], step: int, model_id: Optional[str] = None, dataset=None) -> None:
-        """Finite numbers only, under their namespaced names (``head_acc`` -> ``eval/head_acc``,
-        see :mod:`rayfed_proto.tracking.metric_names`): the one place where metric keys are renamed."""
-        clean = {mlflow_key(k): float(v) for k, v in metrics.items()
+        """Finite numbers only, under the names they were born with (made by
+        :mod:`rayfed_proto.tracking.metric_names`; nothing is renamed here). A key that module did
+        not make is logged as given, with a warning (once per key): it bypasses the table."""
+        clean = {k: float(v) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+        _warn_unnamed(clean)
         for items in _chunks(list(clean.items()), 1000):  # MLflow's batch limit
             self.mlflow.log_metrics(dict(items), step=step, model_id=model_id, dataset=dataset)
 
@@ -211,7 +216,7 @@ class NullTracker:
     def resume(self, run_id):
         return None
 
-    def note_superseded_steps(self, after, key="head_acc"):
+    def note_superseded_steps(self, after, key=EVAL_HEAD_ACC):
         return []
 
     def log_metrics(self, metrics, step, model_id=None, dataset=None):
@@ -248,6 +253,18 @@ class NullTracker:
 def _chunks(items: list, n: int):
     for i in range(0, len(items), n):
         yield items[i : i + n]
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_unnamed(metrics: dict[str, float]) -> None:
+    """A warning, once per key, for a metric key that :mod:`rayfed_proto.tracking.metric_names`
+    does not make (a name made elsewhere: it belongs in the table)."""
+    for k in metrics:
+        if k not in _WARNED and not is_name(k):
+            _WARNED.add(k)
+            log.warning("metric %r is not a name of rayfed_proto.tracking.metric_names; logged as given", k)
 
 
 def git_commit() -> tuple[Optional[str], Optional[bool]]:

@@ -49,13 +49,15 @@ def pip_requirements() -> list[str]:
 
 def log_pytorch_model(tracker, model, name: str, input_example: np.ndarray, metrics: dict[str, float], step: int,
                       dataset=None, tags: dict[str, Any] | None = None) -> str | None:
-    """Log ``model`` (a CPU module in eval mode) and ``metrics`` linked to it; returns the model id."""
+    """Log ``model`` (a CPU module in eval mode) and ``metrics`` linked to it (``model/<name>/<key>``);
+    returns the model id."""
     import rayfed_proto
+    from rayfed_proto.tracking.metric_names import model_metric
 
     model_id = tracker.log_model(model, name, input_example=input_example, pip_requirements=pip_requirements(),
                                  code_paths=[str(Path(rayfed_proto.__file__).resolve().parent)], step=step,
                                  tags={k: str(v) for k, v in (tags or {}).items()})
     if model_id is not None and metrics:
-        tracker.log_metrics({f"model/{name}/{k}": v for k, v in metrics.items()}, step=step, model_id=model_id,
+        tracker.log_metrics({model_metric(name, k): v for k, v in metrics.items()}, step=step, model_id=model_id,
                             dataset=dataset)
     return model_id

@@ -27,6 +27,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 
+from rayfed_proto.tracking import metric_names as names
 from rayfed_proto.tracking.report import History, metric_series
 
 DPI = 120
@@ -95,9 +96,10 @@ def _plot_accuracy(history: History, x_key: str, xlabel: str, path: str | Path, 
                    target: float | None = None) -> Path:
     x = metric_series(history, x_key)
     fig, ax = _new_axes(8.0, 4.8)
-    has_data = _band(ax, x, metric_series(history, "head_acc_mean"), metric_series(history, "head_acc_std"), "C0")
-    has_data |= _line(ax, x, metric_series(history, "head_acc"), "head accuracy (sample-weighted)", "C0")
-    has_data |= _line(ax, x, metric_series(history, "proto_acc"), "prototype accuracy (sample-weighted)", "C1")
+    has_data = _band(ax, x, metric_series(history, names.EVAL_HEAD_ACC_MEAN),
+                     metric_series(history, names.EVAL_HEAD_ACC_STD), "C0")
+    has_data |= _line(ax, x, metric_series(history, names.EVAL_HEAD_ACC), "head accuracy (sample-weighted)", "C0")
+    has_data |= _line(ax, x, metric_series(history, names.EVAL_PROTO_ACC), "prototype accuracy (sample-weighted)", "C1")
     if target is not None:
         ax.axhline(target, color="0.4", linestyle=":", linewidth=1.0, label=f"target {100 * target:.0f}%")
     ax.set_ylim(0.0, 1.01)
@@ -110,19 +112,19 @@ def _plot_accuracy(history: History, x_key: str, xlabel: str, path: str | Path, 
 
 def plot_accuracy_vs_version(history: History, path: str | Path, title: str | None = None) -> Path:
     """Head and prototype accuracy (sample-weighted) against server version, with the per-client mean ± std band."""
-    return _plot_accuracy(history, "version", "server version (aggregations)", path,
+    return _plot_accuracy(history, names.VERSION, "server version (aggregations)", path,
                           title or "Test accuracy vs server version")
 
 
 def plot_accuracy_vs_wall_time(history: History, path: str | Path, title: str | None = None) -> Path:
     """The same curves as :func:`plot_accuracy_vs_version` against wall-clock time since the run started."""
-    return _plot_accuracy(history, "wall_s", "wall time (s)", path, title or "Test accuracy vs wall time")
+    return _plot_accuracy(history, names.FEDERATION_WALL_S, "wall time (s)", path, title or "Test accuracy vs wall time")
 
 
 def plot_accuracy_vs_sim_time(history: History, path: str | Path, title: str | None = None,
                               target: float | None = None) -> Path:
     """The same curves against simulated time (virtual clock), with the target accuracy as a line."""
-    return _plot_accuracy(history, "sim_time_s", "simulated time (s)", path, title or "Test accuracy vs simulated time",
+    return _plot_accuracy(history, names.FEDERATION_SIM_TIME_S, "simulated time (s)", path, title or "Test accuracy vs simulated time",
                           target=target)
 
 
@@ -147,8 +149,8 @@ def plot_prototype_margin(history: History, path: str | Path, title: str | None 
     """Min and mean distance from each global guidance prototype to its nearest other-class prototype, per version."""
     v = metric_series(history, "version")
     fig, ax = _new_axes(8.0, 4.8)
-    has_data = _line(ax, v, metric_series(history, "proto_margin_min"), "min margin", "C3")
-    has_data |= _line(ax, v, metric_series(history, "proto_margin_mean"), "mean margin", "C2")
+    has_data = _line(ax, v, metric_series(history, names.SERVER_PROTO_MARGIN_MIN), "min margin", "C3")
+    has_data |= _line(ax, v, metric_series(history, names.SERVER_PROTO_MARGIN_MEAN), "mean margin", "C2")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("server version (aggregations)")
     ax.set_ylabel("distance to nearest other class (L2, feature units)")

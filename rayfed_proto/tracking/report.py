@@ -4,7 +4,8 @@ Why: a run should end with one table a person can read in a terminal, a log or a
 artifact without opening a notebook. This module only builds strings and frames; uploading them is
 the tracking layer's job, so nothing here imports Ray or MLflow.
 
-The history is a list of dicts, one per evaluation (see :func:`summary_rows` for the keys used).
+The history is a list of dicts, one per evaluation, keyed by the names of
+:mod:`rayfed_proto.tracking.metric_names` (see :func:`summary_rows` for the keys used).
 Missing keys, ``None`` and NaN are gaps, never errors: a FedAvg run has no prototype metrics, an
 early evaluation may precede the first prototype bank.
 """
@@ -17,6 +18,8 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+
+from rayfed_proto.tracking import metric_names as names
 
 History = Sequence[Mapping[str, Any]]
 
@@ -91,10 +94,11 @@ def _accuracy_rows(label: str, acc: np.ndarray, version: np.ndarray) -> list[tup
             (f"{label} (best)", f"{_pct(acc[best])} @ {_at(version, best)}")]
 
 
-def time_to_target(history: History, target: float, key: str = "head_acc", time_key: str = "sim_time_s") -> tuple[float, int] | None:
+def time_to_target(history: History, target: float, key: str = names.EVAL_HEAD_ACC,
+                   time_key: str = names.FEDERATION_SIM_TIME_S) -> tuple[float, int] | None:
     """``(time, version)`` of the first evaluation whose ``key`` reaches ``target``, with its
     ``time_key`` (simulated or wall seconds); None when the run never reaches it."""
-    acc, t, v = metric_series(history, key), metric_series(history, time_key), metric_series(history, "version")
+    acc, t, v = metric_series(history, key), metric_series(history, time_key), metric_series(history, names.VERSION)
     hit = np.flatnonzero(np.isfinite(acc) & (acc >= target) & np.isfinite(t))
     if hit.size == 0:
         return None
@@ -106,7 +110,8 @@ def _target_rows(history: History, target: float | None) -> list[tuple[str, str]
     if target is None:
         return []
     label = f"time to {_pct(target)} head accuracy"
-    found = [(name, time_to_target(history, target, time_key=key)) for name, key in (("simulated", "sim_time_s"), ("wall", "wall_s"))
+    found = [(name, time_to_target(history, target, time_key=key)) for name, key in (("simulated", names.FEDERATION_SIM_TIME_S),
+                                                                                            ("wall", names.FEDERATION_WALL_S))
              if np.isfinite(metric_series(history, key)).any()]
     if not found:
         return []
@@ -118,27 +123,29 @@ def _target_rows(history: History, target: float | None) -> list[tuple[str, str]
 def summary_rows(history: History, target_accuracy: float | None = None) -> list[tuple[str, str]]:
     """The run summary as ``(label, value)`` rows; a row is left out when its metrics never appear.
 
-    Keys read: ``version``, ``head_acc``, ``proto_acc``, ``head_acc_mean``/``head_acc_std``
-    (across clients), ``proto_margin_min``/``proto_margin_mean``, ``wall_s``, ``bytes_up``/``bytes_down``,
-    ``staleness_mean``/``staleness_max``, ``updates_dropped``/``updates_refused``, ``slot_utilisation``.
+    Keys read (the names of :mod:`rayfed_proto.tracking.metric_names`): ``version``, ``eval/head_acc``,
+    ``eval/proto_acc``, ``eval/head_acc_mean``/``_std`` (across clients), ``eval/global_acc...``,
+    ``server/proto_margin_min``/``_mean``, ``federation/wall_s``, ``federation/sim_time_s``,
+    ``federation/bytes_up``/``_down``, ``federation/staleness_mean``/``_max``,
+    ``federation/updates_dropped``/``updates_refused``, ``federation/slot_utilisation``, ``reliability/...``.
     Accuracies are fractions in [0, 1]. Wall time, bytes, dropped/refused and slot utilisation are
     run-cumulative, so their last value is the run's; staleness is per evaluation window, so the
     table shows the average of the window means and the maximum of the window maxima.
     """
     rows: list[tuple[str, str]] = []
-    v = metric_series(history, "version")
-    rows += _accuracy_rows("head accuracy", metric_series(history, "head_acc"), v)
-    rows += _accuracy_rows("prototype accuracy", metric_series(history, "proto_acc"), v)
-    rows += _accuracy_rows("global model accuracy", metric_series(history, "global_acc"), v)
-    rows += _accuracy_rows("global model, domain mean", metric_series(history, "global_acc_domain_mean"), v)
+    v = metric_series(history, names.VERSION)
+    rows += _accuracy_rows("head accuracy", metric_series(history, names.EVAL_HEAD_ACC), v)
+    rows += _accuracy_rows("prototype accuracy", metric_series(history, names.EVAL_PROTO_ACC), v)
+    rows += _accuracy_rows("global model accuracy", metric_series(history, names.EVAL_GLOBAL_ACC), v)
+    rows += _accuracy_rows("global model, domain mean", metric_series(history, names.EVAL_GLOBAL_ACC_DOMAIN_MEAN), v)
 
-    mean, std = metric_series(history, "head_acc_mean"), metric_series(history, "head_acc_std")
+    mean, std = metric_series(history, names.EVAL_HEAD_ACC_MEAN), metric_series(history, names.EVAL_HEAD_ACC_STD)
     ok = np.flatnonzero(np.isfinite(mean) & np.isfinite(std))
     if ok.size:
         i = int(ok[-1])
         rows.append(("per-client head accuracy (final)", f"{_pct(mean[i])} ± {_pct(std[i])} @ {_at(v, i)}"))
 
-    m_min, m_mean = metric_series(history, "proto_margin_min"), metric_series(history, "proto_margin_mean")
+    m_min, m_mean = metric_series(history, names.SERVER_PROTO_MARGIN_MIN), metric_series(history, names.SERVER_PROTO_MARGIN_MEAN)
     i = _last_finite(m_min, m_mean)
     if i is not None:
         rows.append(("prototype margin (final)", f"min {_num(m_min[i])} / mean {_num(m_mean[i])} @ {_at(v, i)}"))
@@ -147,42 +154,43 @@ def summary_rows(history: History, target_accuracy: float | None = None) -> list
         rows.append(("server versions", str(int(np.nanmax(v)))))
     rows.append(("evaluations", str(len(history))))
 
-    wall = metric_series(history, "wall_s")
+    wall = metric_series(history, names.FEDERATION_WALL_S)
     i = _last_finite(wall)
     if i is not None:
         rows.append(("wall time", human_duration(wall[i])))
-    sim = metric_series(history, "sim_time_s")
+    sim = metric_series(history, names.FEDERATION_SIM_TIME_S)
     i = _last_finite(sim)
     if i is not None:
         rows.append(("simulated time", human_duration(sim[i])))
     rows += _target_rows(history, target_accuracy)
 
-    up, down = metric_series(history, "bytes_up"), metric_series(history, "bytes_down")
+    up, down = metric_series(history, names.FEDERATION_BYTES_UP), metric_series(history, names.FEDERATION_BYTES_DOWN)
     i = _last_finite(up, down)
     if i is not None:
         rows.append(("bytes up / down", f"{human_bytes(up[i])} / {human_bytes(down[i])}"))
 
-    s_mean, s_max = metric_series(history, "staleness_mean"), metric_series(history, "staleness_max")
+    s_mean, s_max = metric_series(history, names.FEDERATION_STALENESS_MEAN), metric_series(history, names.FEDERATION_STALENESS_MAX)
     if np.isfinite(s_mean).any() or np.isfinite(s_max).any():
         avg = f"{np.nanmean(s_mean):.2f}" if np.isfinite(s_mean).any() else "n/a"
         top = str(int(np.nanmax(s_max))) if np.isfinite(s_max).any() else "n/a"
         rows.append(("staleness mean / max (versions)", f"{avg} / {top}"))
 
-    dropped, refused = metric_series(history, "updates_dropped"), metric_series(history, "updates_refused")
+    dropped, refused = metric_series(history, names.FEDERATION_UPDATES_DROPPED), metric_series(history, names.FEDERATION_UPDATES_REFUSED)
     i = _last_finite(dropped, refused)
     if i is not None:
         counts = [str(int(c)) if math.isfinite(c) else "n/a" for c in (dropped[i], refused[i])]
         rows.append(("updates dropped / refused", " / ".join(counts)))
 
-    util = metric_series(history, "slot_utilisation")
+    util = metric_series(history, names.FEDERATION_SLOT_UTILISATION)
     i = _last_finite(util)
     if i is not None:
         rows.append(("slot utilisation", f"{100.0 * util[i]:.1f}%"))
 
     failures = [(label, metric_series(history, key)) for label, key in (
-        ("client actor failures", "client_failures"), ("server restarts", "server_restarts"),
-        ("updates lost to client failures", "updates_lost_client"),
-        ("updates lost to server restarts", "updates_lost_server"), ("clients excluded", "clients_excluded"))]
+        ("client actor failures", names.RELIABILITY_CLIENT_FAILURES), ("server restarts", names.RELIABILITY_SERVER_RESTARTS),
+        ("updates lost to client failures", names.RELIABILITY_UPDATES_LOST_CLIENT),
+        ("updates lost to server restarts", names.RELIABILITY_UPDATES_LOST_SERVER),
+        ("clients excluded", names.RELIABILITY_CLIENTS_EXCLUDED))]
     shown = [f"{label} {int(series[-1])}" for label, series in failures if series.size and np.isfinite(series[-1]) and series[-1] > 0]
     if shown:
         rows.append(("failures survived", ", ".join(shown)))

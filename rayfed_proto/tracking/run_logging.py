@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rayfed_proto.tracking.clients import PER_CLIENT, ClientSeries, client_table
+from rayfed_proto.tracking import metric_names as names
+from rayfed_proto.tracking.clients import ClientSeries, client_table
 
 log = logging.getLogger("rayfed_proto")
 
@@ -63,7 +64,7 @@ class RunLogging:
     def on_eval(self, version: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Takes the per-client results out of ``metrics`` (returned without them) and logs the
         chosen clients' ``client/<id>/...`` series at ``version``."""
-        results = metrics.pop(PER_CLIENT, None)
+        results = metrics.pop(names.PER_CLIENT, None)
         if results:
             self.tracker.log_metrics(self.series.metrics(version, results), step=version)
         return metrics
@@ -73,10 +74,10 @@ class RunLogging:
         """Each actor's peak RSS and PSS (the last placement is the server's) under system/actors/."""
         m: dict[str, float] = {}
         for a, p in enumerate(placements[:-1][:MAX_ACTORS_LOGGED]):
-            m[f"system/actors/client_actor_{a}_peak_rss_mib"] = p.get("peak_rss_mib", float("nan"))
-            m[f"system/actors/client_actor_{a}_pss_mib"] = p.get("pss_mib", float("nan"))
+            for figure in names.ACTOR_MEMORY:
+                m[names.actor_memory(a, figure)] = p.get(figure, float("nan"))
         if placements:
-            m["system/actors/server_pss_mib"] = placements[-1].get("pss_mib", float("nan"))
+            m[names.SYSTEM_SERVER_PSS_MIB] = placements[-1].get("pss_mib", float("nan"))
         self.tracker.log_metrics(m, step=step)
 
     def collect_models(self, server, actors, actor_clients, state_ref) -> list[dict[str, Any]]:
@@ -156,6 +157,7 @@ def description(summary: str, client_series: str, models: list[str]) -> str:
     lines = ["```", summary, "```", "", f"Per-client series (`client/<id>/...`): {client_series}."]
     if models:
         lines.append(f"Logged models: {', '.join(models)} (load with `mlflow.pytorch.load_model('models:/<model id>')`).")
-    lines.append("Metric names: `eval/`, `train/`, `server/`, `federation/`, `reliability/`, `system/` "
-                 "(old flat names: docs/concepts.md, \"MLflow metric names\").")
+    lines.append("Metric names: `eval/`, `train/` (the clients' local updates: `train/loss`), `server/` (the server "
+                 "step: an algorithm's aggregate), `federation/`, `reliability/`, `system/` (every name and the old "
+                 "flat names: docs/concepts.md, \"MLflow metric names\").")
     return "\n".join(lines)

@@ -21,12 +21,12 @@ from typing import Any, Optional
 import yaml
 
 from rayfed_proto.config import ConfigError, ConfigIssue
-from rayfed_proto.runtime.autoscale import capacity, withdraw_request
+from rayfed_proto.runtime.autoscale import capacity, request_if_short, withdraw_request
 from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED
 from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
 from rayfed_proto.tuning.report import best_config, format_table, plot_metric_vs_params, rank_trials, write_best_yaml
-from rayfed_proto.tuning.resources import check_fits_cluster, request_for_trials, resolve_gpus_per_trial
+from rayfed_proto.tuning.resources import check_fits_cluster, resolve_gpus_per_trial
 from rayfed_proto.tuning.spec import SweepSpec, _corner_values, parse_sweep
 from rayfed_proto.tuning.trainable import (
     TrialContext,
@@ -132,6 +132,16 @@ def _check_cluster(spec: SweepSpec, ctx: TrialContext) -> None:
         issues.extend(i for i in check_fits_cluster(plan, nodes, totals) if str(i) not in {str(j) for j in issues})
     if issues:
         raise ConfigError(issues, f"{spec.source} (against the cluster)")
+
+
+def request_for_trials(ctx: TrialContext, spec: SweepSpec) -> bool:
+    """Ask an autoscaling cluster for the placement groups of ``max_concurrent_trials`` trials (the
+    first corner of the search space stands for all) when it lacks them; True when asked. Tune's
+    pending trial groups are a demand the autoscaler serves too; this asks at once, for all."""
+    values = next(iter(_corner_values(spec.space)), {})
+    _, plan = trial_config(ctx, values)
+    concurrent = min(spec.file.max_concurrent_trials, spec.num_trials)
+    return request_if_short(plan.bundles * max(1, concurrent))
 
 
 def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None, address: Optional[str] = None,
@@ -380,7 +390,9 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
             client.log_artifact(parent_run_id, str(p), sub)
         if best_path is not None:
             client.log_artifact(parent_run_id, str(best_path))
-            client.log_metric(parent_run_id, f"best/{metric}", float(scored[0][metric]))
+            from rayfed_proto.tracking.metric_names import sweep_best
+
+            client.log_metric(parent_run_id, sweep_best(metric), float(scored[0][metric]))
             for k in spec.space:
                 client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))
         client.log_metric(parent_run_id, SWEEP_TRIALS, len(ranked))

@@ -98,10 +98,8 @@ def trial_resources_fn(ctx: TrialContext):
 
 
 def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
-    """The finite numbers of a history row, under their MLflow names (``eval/head_acc``...)."""
-    from rayfed_proto.tracking.metric_names import namespaced
-
-    return {k: float(v) for k, v in namespaced(metrics).items()
+    """The finite numbers of a history row, under the names they were born with (``eval/head_acc``...)."""
+    return {k: float(v) for k, v in metrics.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
 
 
@@ -139,7 +137,7 @@ def make_trainable(ctx: TrialContext):
         reported: list[int] = []
 
         def on_eval(version: int, metrics: dict[str, Any]) -> None:
-            report: dict[str, Any] = {**_numeric(metrics), "version": version}  # MLflow names: eval/head_acc...
+            report: dict[str, Any] = {**_numeric(metrics), "version": version}  # the metrics' names: eval/head_acc...
             if cfg.tracking.enabled:
                 import mlflow
 

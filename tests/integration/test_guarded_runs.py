@@ -8,7 +8,7 @@ from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import InputError, build_config
 from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
-from rayfed_proto.tracking.metric_names import mlflow_key
+from rayfed_proto.tracking import metric_names as names
 
 pytestmark = pytest.mark.integration
 
@@ -17,8 +17,8 @@ SMALL = ["algorithm.name=fedproto", "data.name=digits", "data.partition.beta=0.5
 QUIET = {"progress": False, "echo": lambda s: None}
 
 
-def _points(client, run_id, key):
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, mlflow_key(key)))
+def _points(client, run_id, name):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, name))
 
 
 def test_async_run_where_every_update_is_refused_stops_failed_with_its_counters(ray_session, tracking):
@@ -34,7 +34,7 @@ def test_async_run_where_every_update_is_refused_stops_failed_with_its_counters(
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
     assert run.info.status == "FAILED"
     assert "max_consecutive_refusals=6" in run.data.tags["failure_reason"]
-    assert run.data.metrics[mlflow_key("updates_refused")] >= 6 and run.data.metrics[mlflow_key("updates_accepted")] == 0
+    assert run.data.metrics[names.FEDERATION_UPDATES_REFUSED] >= 6 and run.data.metrics[names.FEDERATION_UPDATES_ACCEPTED] == 0
 
 
 def test_sync_rounds_that_aggregated_nothing_are_counted(ray_session, tracking, caplog):
@@ -44,10 +44,11 @@ def test_sync_rounds_that_aggregated_nothing_are_counted(ray_session, tracking, 
     with caplog.at_level("WARNING", logger="rayfed_proto"):
         result = run_experiment(cfg, **QUIET)
     assert "version 2 aggregated NO update" in caplog.text
-    points = _points(MlflowClient(uri), result.run_id, "versions_empty")
+    points = _points(MlflowClient(uri), result.run_id, names.FEDERATION_VERSIONS_EMPTY)
     # read when each evaluation is logged (which may be after the next version exists): rising to 2 of 2
     assert points[-1] == (2, 2.0) and [v for _, v in points] == sorted(v for _, v in points)
-    assert result.history[-1]["versions_empty"] == 2 and result.history[-1]["updates_accepted"] == 0
+    last = result.history[-1]
+    assert last[names.FEDERATION_VERSIONS_EMPTY] == 2 and last[names.FEDERATION_UPDATES_ACCEPTED] == 0
 
 
 def test_a_finished_run_is_not_rerun_but_can_be_extended_and_its_stop_tags_go(ray_session, tracking):
@@ -60,16 +61,16 @@ def test_a_finished_run_is_not_rerun_but_can_be_extended_and_its_stop_tags_go(ra
     client = MlflowClient(uri)
     tags = client.get_run(done.run_id).data.tags
     assert "stopped" not in tags and "resume_from" not in tags  # it finished: those no longer hold
-    assert [s for s, _ in _points(client, done.run_id, "client_failures")] == [0, 1, 2]  # one point per step
+    assert [s for s, _ in _points(client, done.run_id, names.RELIABILITY_CLIENT_FAILURES)] == [0, 1, 2]  # one point per step
     assert checkpoint_store(build_config({}, common), out).latest().version == 2  # a checkpoint at the end
 
     with pytest.raises(InputError, match="already finished at version 2"):
         run_experiment(build_config({}, common), resume_dir=out, **QUIET)
-    assert [s for s, _ in _points(client, done.run_id, "head_acc")] == [0, 1, 2]  # nothing logged again
+    assert [s for s, _ in _points(client, done.run_id, names.EVAL_HEAD_ACC)] == [0, 1, 2]  # nothing logged again
 
     more = run_experiment(build_config({}, common[:-2] + ["federation.rounds=3", "checkpoint.every=1"]), resume_dir=out, **QUIET)
     assert more.run_id == done.run_id and more.final_version == 3
-    assert [s for s, _ in _points(client, done.run_id, "head_acc")] == [0, 1, 2, 3]
+    assert [s for s, _ in _points(client, done.run_id, names.EVAL_HEAD_ACC)] == [0, 1, 2, 3]
     assert client.get_run(done.run_id).info.status == "FINISHED"
 
 
@@ -92,7 +93,7 @@ def test_resume_falls_back_to_the_older_checkpoint_when_the_newest_is_damaged(ra
     # points), and exactly one row per version in history.parquet
     client = MlflowClient(uri)
     assert client.get_run(result.run_id).data.tags["superseded_steps"] == "2"
-    assert [s for s, _ in _points(client, result.run_id, "head_acc")] == [0, 1, 2, 2, 3]
+    assert [s for s, _ in _points(client, result.run_id, names.EVAL_HEAD_ACC)] == [0, 1, 2, 2, 3]
     import pandas as pd
 
     assert list(pd.read_parquet(out / "history.parquet")["version"]) == [0, 1, 2, 3]

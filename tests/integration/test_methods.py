@@ -41,16 +41,16 @@ def test_method_runs_through_actors_and_logs_to_mlflow(ray_session, tracking, me
     steps = sorted(m.step for m in client.get_metric_history(result.run_id, "eval/head_acc"))
     assert steps == [0, 1, 2]
     last = result.history[-1]
-    assert last["updates_accepted"] == 8 and last["updates_refused"] == 0
-    assert np.isfinite(last["train_loss"])
-    if "silhouette_mean" in last:
-        assert -1.0 <= last["silhouette_mean"] <= 1.0
+    assert last["federation/updates_accepted"] == 8 and last["federation/updates_refused"] == 0
+    assert np.isfinite(last["train/loss"])
+    if "eval/silhouette_mean" in last:
+        assert -1.0 <= last["eval/silhouette_mean"] <= 1.0
     bank = result.output_dir / "global_prototypes.npz"
     if bank.exists():
         assert np.isfinite(np.load(bank)["vectors"]).all()
     if cfg.data.global_test_fraction > 0:  # a method with a server-held model: its global accuracy per evaluation
         assert sorted(m.step for m in client.get_metric_history(result.run_id, "eval/global_acc")) == [0, 1, 2]
-        assert 0.0 <= last["global_acc"] <= 1.0
+        assert 0.0 <= last["eval/global_acc"] <= 1.0
 
 
 def test_fedlsa_on_domain_skewed_data_logs_accuracy_per_domain(ray_session, tracking):
@@ -65,13 +65,13 @@ def test_fedlsa_on_domain_skewed_data_logs_accuracy_per_domain(ray_session, trac
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     client = MlflowClient(uri)
     last = result.history[-1]
-    per_domain = [last[f"global_acc_{d}"] for d in ("original", "inverted", "tinted")]
-    assert last["global_acc_domain_mean"] == sum(per_domain) / 3
+    per_domain = [last[f"eval/global_acc_{d}"] for d in ("original", "inverted", "tinted")]
+    assert last["eval/global_acc_domain_mean"] == sum(per_domain) / 3
     for d in ("original", "inverted", "tinted"):
         assert [m.step for m in client.get_metric_history(result.run_id, f"eval/global_acc_{d}")] == [0, 1, 2]
-    assert "global_acc_rotated" not in last  # a domain that was not selected
+    assert "eval/global_acc_rotated" not in last  # a domain that was not selected
     # nearest-anchor inference: FedLSA's anchors are the inference bank
-    assert 0.0 <= last["proto_acc"] <= 1.0
+    assert 0.0 <= last["eval/proto_acc"] <= 1.0
 
 
 def test_fedsap_semi_supervised_logs_pseudo_labels_per_version(ray_session, tracking):
@@ -86,4 +86,4 @@ def test_fedsap_semi_supervised_logs_pseudo_labels_per_version(ray_session, trac
     history = MlflowClient(uri).get_metric_history(result.run_id, "train/pseudo_candidates")
     assert history and max(m.value for m in history) > 0  # the semi-supervised phase ran and was logged
     last = result.history[-1]
-    assert "train_pseudo_accepted" in last and last["train_pseudo_accepted"] >= 0
+    assert "train/pseudo_accepted" in last and last["train/pseudo_accepted"] >= 0

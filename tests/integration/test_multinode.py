@@ -109,7 +109,7 @@ class TestLocalCluster:
         head = ray.get_runtime_context().get_node_id()  # the driver is on the head
         assert head not in before.values() and len(set(before.values())) == 2  # on two workers, none on the head
         assert removed and result.final_version == 3 and not absent.exists()
-        assert result.history[-1]["client_failures"] >= 1  # survived as a dead actor is
+        assert result.history[-1]["reliability/client_failures"] >= 1  # survived as a dead actor is
         nodes = _client_nodes(result)
         assert len(nodes) == 4 and removed[0] not in nodes and head not in nodes  # recreated on the nodes that remain
         assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"

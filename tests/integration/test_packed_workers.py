@@ -17,7 +17,8 @@ QUIET = {"progress": False, "echo": lambda s: None}
 SMALL = ["algorithm.name=fedproto", "data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20",
          "model.group=small_hetero", "model.feature_dim=32", "federation.num_clients=4", "federation.eval_every=1",
          "resources.torch_threads=1"]
-KEYS = ("head_acc", "head_acc_std", "proto_acc", "train_loss", "train_align", "proto_margin_mean", "updates_accepted")
+KEYS = ("eval/head_acc", "eval/head_acc_std", "eval/proto_acc", "train/loss", "train/align", "server/proto_margin_mean",
+        "federation/updates_accepted")
 
 
 def _comparable(history):
@@ -37,7 +38,7 @@ def test_packed_sync_run_equals_one_actor_per_client_exactly(ray_session, tracki
     assert runs["1"].resource_plan["num_actors"] == 4 and runs["3"].resource_plan["num_actors"] == 2
     assert sorted(len(w["clients"]) for w in _workers(runs["auto"])) == [2, 2]
     reference = _comparable(runs["1"].history)
-    assert len(reference) == 4 and reference[-1]["head_acc"] > 0
+    assert len(reference) == 4 and reference[-1]["eval/head_acc"] > 0
     # exact equality: each client owns its model, optimizer, batch stream and torch RNG stream
     # wherever it is hosted, and a round is aggregated in client order
     assert _comparable(runs["auto"].history) == reference
@@ -90,7 +91,7 @@ def test_no_actor_reads_the_dataset_from_disk_even_when_recreated(ray_session, t
     assert not path.exists() and killed == [2]
     assert result.final_version == 4
     assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
-    assert result.history[-1]["client_failures"] == 1  # recreated from the object store, not from disk
+    assert result.history[-1]["reliability/client_failures"] == 1  # recreated from the object store, not from disk
 
 
 def test_thousand_clients_keep_only_the_training_ones_materialised(ray_session, tracking):
@@ -109,5 +110,5 @@ def test_thousand_clients_keep_only_the_training_ones_materialised(ray_session, 
     # only clients that trained have a state to keep: 2 rounds x 50 sampled clients at most
     ckpt = checkpoint_store(cfg, result.output_dir).latest()
     assert 50 <= len(ckpt.manifest["clients"]) <= 100
-    assert result.history[-1]["head_acc"] > 0
+    assert result.history[-1]["eval/head_acc"] > 0
     assert ray.is_initialized()

@@ -9,7 +9,6 @@ from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
 from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
-from rayfed_proto.tracking.metric_names import mlflow_key
 
 pytestmark = pytest.mark.integration
 
@@ -41,8 +40,8 @@ def _killer(part: str, at_versions: set[int], first_at_or_after: bool = False):
     return hook, done
 
 
-def _history(client, run_id, key):
-    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, mlflow_key(key)), key=lambda m: m.step)]
+def _history(client, run_id, name):
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, name), key=lambda m: m.step)]
 
 
 def _assert_finite_bank(result):
@@ -70,11 +69,11 @@ def test_sync_run_stopped_and_resumed_matches_an_uninterrupted_run(ray_session, 
     assert resumed.run_id == ckpt.manifest["run_id"] and resumed.final_version == 4
     assert client.get_run(resumed.run_id).info.status == "FINISHED"
     # the same MLflow run, every version logged once before and after the resume
-    assert [s for s, _ in _history(client, resumed.run_id, "head_acc")] == [0, 1, 2, 3, 4]
+    assert [s for s, _ in _history(client, resumed.run_id, "eval/head_acc")] == [0, 1, 2, 3, 4]
     # Exactly equal, not within a tolerance: every random stream (client sampling, each client's
     # batches, each actor's torch RNG), every optimizer and the server state are restored, and sync
     # rounds are aggregated in client order, so the float operations are the same ones.
-    for key in ("head_acc", "proto_acc", "train_loss", "proto_margin_mean"):
+    for key in ("eval/head_acc", "eval/proto_acc", "train/loss", "server/proto_margin_mean"):
         assert resumed.history[-1][key] == straight.history[-1][key], key
     _assert_finite_bank(resumed)
 
@@ -87,11 +86,11 @@ def test_killed_client_actor_is_recreated_and_the_run_finishes(ray_session, trac
     result = run_experiment(cfg, on_eval=kill_once, **QUIET)
     assert killed and result.final_version == 8
     last = result.history[-1]
-    assert last["client_failures"] == 1
-    assert last["updates_lost_client"] <= 1  # the update in flight on the dead actor, if there was one
-    assert last["clients_excluded"] == 0
+    assert last["reliability/client_failures"] == 1
+    assert last["reliability/updates_lost_client"] <= 1  # the update in flight on the dead actor, if there was one
+    assert last["reliability/clients_excluded"] == 0
     client = MlflowClient(uri)
-    assert _history(client, result.run_id, "client_failures")[-1][1] == 1
+    assert _history(client, result.run_id, "reliability/client_failures")[-1][1] == 1
     assert client.get_run(result.run_id).info.status == "FINISHED"
     _assert_finite_bank(result)
 
@@ -111,7 +110,7 @@ def test_client_actor_dead_when_its_checkpoint_snapshot_is_taken(ray_session, tr
                                             "checkpoint.keep=3"])
     result = run_experiment(cfg, on_version=kill_at_version_two, **QUIET)
     assert killed and result.final_version == 4
-    assert result.history[-1]["client_failures"] == 1
+    assert result.history[-1]["reliability/client_failures"] == 1
     from rayfed_proto.runtime.checkpoint import verify
 
     store = checkpoint_store(cfg, result.output_dir)  # v2, and v4 written at the end
@@ -130,7 +129,7 @@ def test_client_failing_beyond_the_limit_is_excluded_not_fatal(ray_session, trac
     result = run_experiment(cfg, on_eval=kill_client_zero_each_time, **QUIET)
     assert result.final_version == 5 and len(kills) == 2
     last = result.history[-1]
-    assert last["client_failures"] == 2 and last["clients_excluded"] == 1
+    assert last["reliability/client_failures"] == 2 and last["reliability/clients_excluded"] == 1
     _assert_finite_bank(result)
 
 
@@ -145,10 +144,10 @@ def test_killed_server_actor_is_recreated_from_the_checkpoint(ray_session, track
     result = run_experiment(cfg, on_version=kill_server_once, **QUIET)
     assert killed and result.final_version == 6
     last = result.history[-1]
-    assert last["server_restarts"] == 1
-    assert last["versions_redone"] >= 1  # version 3 existed only on the dead server: redone from the checkpoint of 2
+    assert last["reliability/server_restarts"] == 1
+    assert last["reliability/versions_redone"] >= 1  # version 3 existed only on the dead server: redone from the checkpoint of 2
     # at most one round's updates (4 clients) die with the server: in flight, submitted or buffered
-    assert last["updates_lost_server"] <= 4
+    assert last["reliability/updates_lost_server"] <= 4
     versions = [h["version"] for h in result.history]
     assert versions[-1] == 6 and set(range(7)) <= set(versions)
     assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
@@ -163,8 +162,8 @@ def test_garbage_uploads_are_refused_and_counted(ray_session, tracking, kind):
     result = run_experiment(cfg, **QUIET)
     last = result.history[-1]
     assert result.final_version == 3
-    assert last["updates_refused"] == 3  # client 1, once per round
-    assert last["updates_accepted"] == 9  # the other three clients, every round
+    assert last["federation/updates_refused"] == 3  # client 1, once per round
+    assert last["federation/updates_accepted"] == 9  # the other three clients, every round
     _assert_finite_bank(result)
 
 
@@ -240,7 +239,7 @@ def test_async_run_stopped_and_resumed_continues_the_same_run(ray_session, track
     steps = sorted({m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, "eval/head_acc")})
     assert steps == list(range(7))
     last = resumed.history[-1]
-    assert last["updates_lost_client"] == 0 and last["updates_lost_server"] == 0
+    assert last["reliability/updates_lost_client"] == 0 and last["reliability/updates_lost_server"] == 0
     _assert_finite_bank(resumed)
 
 
@@ -251,7 +250,7 @@ def test_async_server_killed_is_recreated_and_the_run_finishes(ray_session, trac
                                             "federation.concurrency=2", "checkpoint.every=2"])
     result = run_experiment(cfg, on_eval=kill_server_once, **QUIET)
     assert killed and result.final_version == 8
-    assert result.history[-1]["server_restarts"] == 1
+    assert result.history[-1]["reliability/server_restarts"] == 1
     _assert_finite_bank(result)
 
 
@@ -271,6 +270,6 @@ def test_server_and_a_client_killed_together_the_run_still_finishes(ray_session,
     result = run_experiment(cfg, on_eval=kill_both, **QUIET)
     assert killed and result.final_version == 5
     last = result.history[-1]
-    assert last["server_restarts"] == 1 and last["client_failures"] == 1
-    assert last["updates_lost_client"] + last["updates_lost_server"] <= 4  # at most the one round in flight
+    assert last["reliability/server_restarts"] == 1 and last["reliability/client_failures"] == 1
+    assert last["reliability/updates_lost_client"] + last["reliability/updates_lost_server"] <= 4  # at most the one round in flight
     _assert_finite_bank(result)

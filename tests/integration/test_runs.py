@@ -77,8 +77,8 @@ def test_sync_fedproto_partial_participation(ray_session, tracking):
     assert [s for s, _ in metric_steps(client, result.run_id, "eval/head_acc")] == [0, 1, 2, 3]
     last = result.history[-1]
     # 2 of 4 clients per round, 3 rounds, all fresh
-    assert last["updates_accepted"] == 6 and last["updates_dispatched"] == 6
-    assert last["staleness_max"] == 0 and last["updates_dropped"] == 0
+    assert last["federation/updates_accepted"] == 6 and last["federation/updates_dispatched"] == 6
+    assert last["federation/staleness_max"] == 0 and last["federation/updates_dropped"] == 0
 
 
 def test_sync_fedavg_homogeneous(ray_session, tracking):
@@ -87,7 +87,7 @@ def test_sync_fedavg_homogeneous(ray_session, tracking):
                                             "federation.rounds=2", "federation.eval_every=1"])
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     assert result.final_version == 2
-    assert "proto_acc" not in result.history[-1]  # FedAvg has no prototype inference
+    assert "eval/proto_acc" not in result.history[-1]  # FedAvg has no prototype inference
     assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
 
 
@@ -146,10 +146,10 @@ def test_sync_runs_with_the_same_seed_are_identical(ray_session, tracking):
     overrides = SMALL + track + ["algorithm.server_epochs=5", "federation.mode=sync", "federation.rounds=3",
                                  "federation.eval_every=1", "federation.participation=0.75"]
     runs = [run_experiment(build_config({}, overrides), progress=False, echo=lambda s: None) for _ in range(2)]
-    keys = ("head_acc", "proto_acc", "train_loss", "proto_margin_mean", "server_loss")
+    keys = ("eval/head_acc", "eval/proto_acc", "train/loss", "server/proto_margin_mean", "server/loss")
     def comparable(v):  # NaN (no bank yet at version 0) must compare equal to NaN
         return "nan" if isinstance(v, float) and v != v else v
 
     first, second = ([{k: comparable(h.get(k)) for k in keys} for h in r.history] for r in runs)
     assert first == second
-    assert len(first) == 4 and first[-1]["head_acc"] is not None
+    assert len(first) == 4 and first[-1]["eval/head_acc"] is not None

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
 from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
-from rayfed_proto.tracking.metric_names import mlflow_key
+from rayfed_proto.tracking import metric_names as names
 
 pytestmark = pytest.mark.integration
 
@@ -21,8 +21,10 @@ VIRTUAL = ["algorithm.name=fedproto", "data.name=digits", "data.partition.beta=0
            "system.upload_bytes_per_s=20000", "system.download_bytes_per_s=50000"]
 # everything a run computes; wall-clock figures (wall_s, client_busy_s, server_train_s,
 # slot_utilisation) are the only metrics allowed to differ
-KEYS = ("version", "head_acc", "head_acc_std", "proto_acc", "train_loss", "proto_margin_mean", "staleness_mean",
-        "staleness_max", "updates_accepted", "updates_dispatched", "bytes_up", "bytes_down", "sim_time_s")
+KEYS = ("version", names.EVAL_HEAD_ACC, names.EVAL_HEAD_ACC_STD, names.EVAL_PROTO_ACC, names.train_term("loss"),
+        names.SERVER_PROTO_MARGIN_MEAN, names.FEDERATION_STALENESS_MEAN, names.FEDERATION_STALENESS_MAX,
+        names.FEDERATION_UPDATES_ACCEPTED, names.FEDERATION_UPDATES_DISPATCHED, names.FEDERATION_BYTES_UP,
+        names.FEDERATION_BYTES_DOWN, names.FEDERATION_SIM_TIME_S)
 
 
 def _comparable(history):
@@ -35,16 +37,16 @@ def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(r
             for per in ("8", "auto", "2")}
     assert [runs[p].resource_plan["num_actors"] for p in ("8", "auto", "2")] == [1, 2, 4]
     reference = _comparable(runs["8"].history)
-    assert len(reference) == 7 and reference[-1]["head_acc"] > 0
+    assert len(reference) == 7 and reference[-1][names.EVAL_HEAD_ACC] > 0
     assert _comparable(runs["auto"].history) == reference
     assert _comparable(runs["2"].history) == reference
     # simulated time only moves forward, and speed differences make real staleness
-    times = [h["sim_time_s"] for h in reference]
+    times = [h[names.FEDERATION_SIM_TIME_S] for h in reference]
     assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:], strict=False))
-    assert max(h["staleness_max"] for h in reference) >= 1
+    assert max(h[names.FEDERATION_STALENESS_MAX] for h in reference) >= 1
     # every dispatch is counted per client, the same ones whatever the slots
     counts = runs["8"].client_updates
-    assert sum(counts.values()) == reference[-1]["updates_dispatched"]
+    assert sum(counts.values()) == reference[-1][names.FEDERATION_UPDATES_DISPATCHED]
     assert runs["auto"].client_updates == counts == runs["2"].client_updates
 
 
@@ -62,7 +64,7 @@ def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_s
     resumed = run_experiment(build_config({}, common + ["checkpoint.every=2"]), resume_dir=out, **QUIET)
     assert resumed.final_version == 6
     assert _comparable(resumed.history) == _comparable(straight.history)
-    steps = [m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, mlflow_key("sim_time_s"))]
+    steps = [m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, names.FEDERATION_SIM_TIME_S)]
     assert sorted(set(steps)) == list(range(7))
 
 
@@ -86,13 +88,14 @@ def test_sync_rounds_with_a_virtual_clock_last_as_long_as_their_slowest_client(r
     timed = run_experiment(build_config({}, common), **QUIET)
     wall = run_experiment(build_config({}, [o for o in common if not o.startswith("system.")]), **QUIET)
     # the clock changes no result of a sync run (every client available): it only times it
-    untimed = [{k: v for k, v in h.items() if k != "sim_time_s"} for h in _comparable(timed.history)]
-    assert untimed == [{k: v for k, v in h.items() if k != "sim_time_s"} for h in _comparable(wall.history)]
-    times = [h["sim_time_s"] for h in timed.history]
+    sim = names.FEDERATION_SIM_TIME_S
+    untimed = [{k: v for k, v in h.items() if k != sim} for h in _comparable(timed.history)]
+    assert untimed == [{k: v for k, v in h.items() if k != sim} for h in _comparable(wall.history)]
+    times = [h[sim] for h in timed.history]
     assert times[0] == 0.0 and all(b > a for a, b in zip(times, times[1:], strict=False))
-    assert "sim_time_s" not in wall.history[-1]
+    assert sim not in wall.history[-1]
     assert (timed.output_dir / "accuracy_vs_sim_time.png").exists()
-    first = next(h for h in timed.history if h["head_acc"] >= 0.2)
+    first = next(h for h in timed.history if h[names.EVAL_HEAD_ACC] >= 0.2)
     logged = MlflowClient(uri).get_run(timed.run_id).data.metrics
-    assert logged[mlflow_key("time_to_target_sim_s")] == first["sim_time_s"]
+    assert logged[names.FEDERATION_TIME_TO_TARGET_SIM_S] == first[sim]
     assert "time to 20.00% head accuracy" in timed.summary

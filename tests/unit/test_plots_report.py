@@ -9,6 +9,7 @@ import matplotlib.image as mpimg
 import numpy as np
 import pytest
 
+from rayfed_proto.tracking import metric_names as names
 from rayfed_proto.tracking.plots import (
     plot_accuracy_vs_version,
     plot_accuracy_vs_wall_time,
@@ -29,19 +30,22 @@ NAN = float("nan")
 
 
 def _entry(version: int, head: float, proto: float = NAN, **more: float) -> dict[str, float]:
-    row = {"version": version, "wall_s": 2.5 * version, "head_acc": head, "head_acc_mean": head - 0.01,
-           "head_acc_std": 0.05, "proto_acc": proto, "proto_margin_min": 1.0 + 0.1 * version,
-           "proto_margin_mean": 2.0 + 0.1 * version, "train_loss": 1.0 / version, "bytes_up": 1000 * version,
-           "bytes_down": 4000 * version, "staleness_mean": 0.5, "staleness_max": 2, "updates_dropped": 0,
-           "updates_refused": 0, "client_busy_s": 3.0 * version, "server_train_s": 0.5 * version,
-           "slot_utilisation": 0.9}
-    row.update(more)
+    """A history row under the names the runtime gives its metrics; ``more``: extra or changed
+    values by their old flat name (a shorthand here: keyword names cannot hold a ``/``)."""
+    row = {"version": version, "federation/wall_s": 2.5 * version, "eval/head_acc": head,
+           "eval/head_acc_mean": head - 0.01, "eval/head_acc_std": 0.05, "eval/proto_acc": proto,
+           "server/proto_margin_min": 1.0 + 0.1 * version, "server/proto_margin_mean": 2.0 + 0.1 * version,
+           "train/loss": 1.0 / version, "federation/bytes_up": 1000 * version, "federation/bytes_down": 4000 * version,
+           "federation/staleness_mean": 0.5, "federation/staleness_max": 2, "federation/updates_dropped": 0,
+           "federation/updates_refused": 0, "federation/client_busy_s": 3.0 * version, "server/train_s": 0.5 * version,
+           "federation/slot_utilisation": 0.9}
+    row.update({names.mlflow_key(k): v for k, v in more.items()})
     return row
 
 
 NORMAL = [_entry(v, 0.3 + 0.04 * v, 0.25 + 0.04 * v) for v in range(1, 16)]
-NORMAL[0]["proto_acc"] = NAN  # no prototype bank yet at the first evaluation
-NORMAL[3].pop("head_acc_std")  # a gap in the band
+NORMAL[0][names.EVAL_PROTO_ACC] = NAN  # no prototype bank yet at the first evaluation
+NORMAL[3].pop(names.EVAL_HEAD_ACC_STD)  # a gap in the band
 ONE_POINT = [_entry(5, 0.4, 0.35)]
 NO_PROTO = [_entry(v, 0.5 + 0.02 * v, proto_margin_min=NAN, proto_margin_mean=NAN) for v in range(1, 6)]
 HISTORIES = {"normal": NORMAL, "one_point": ONE_POINT, "no_proto": NO_PROTO, "empty": []}
@@ -145,7 +149,7 @@ def test_summary_without_prototypes() -> None:
     labels = [label for label, _ in summary_rows(NO_PROTO)]
     assert "head accuracy (final)" in labels
     assert not [label for label in labels if "prototype" in label]
-    absent = [{"version": 1, "head_acc": 0.5}]
+    absent = [{"version": 1, names.EVAL_HEAD_ACC: 0.5}]
     assert [label for label, _ in summary_rows(absent)] == [
         "head accuracy (final)", "head accuracy (best)", "server versions", "evaluations"]
 
@@ -171,20 +175,22 @@ def test_summary_table_empty_history() -> None:
 
 
 def test_history_to_frame() -> None:
-    frame = history_to_frame([{"wall_s": 1.0, "version": 1, "head_acc": 0.5}, {"version": 2, "bytes_up": 10}])
-    assert list(frame.columns) == ["version", "bytes_up", "head_acc", "wall_s"]
+    frame = history_to_frame([{"federation/wall_s": 1.0, "version": 1, "eval/head_acc": 0.5},
+                              {"version": 2, "federation/bytes_up": 10}])
+    assert list(frame.columns) == ["version", "eval/head_acc", "federation/bytes_up", "federation/wall_s"]
     assert frame["version"].tolist() == [1, 2]
-    assert math.isnan(frame.loc[1, "head_acc"])
+    assert math.isnan(frame.loc[1, "eval/head_acc"])
     assert history_to_frame([]).empty
 
 
 def test_summary_shows_global_accuracy_and_failures_only_when_present():
     from rayfed_proto.tracking.report import summary_rows
 
-    plain = dict(summary_rows([{"version": 1, "head_acc": 0.5}]))
+    plain = dict(summary_rows([{"version": 1, names.EVAL_HEAD_ACC: 0.5}]))
     assert not any(k.startswith("global") for k in plain) and "failures survived" not in plain
-    rows = dict(summary_rows([{"version": 1, "head_acc": 0.5, "global_acc": 0.25, "global_acc_domain_mean": 0.2,
-                               "client_failures": 2, "server_restarts": 0, "clients_excluded": 1}]))
+    rows = dict(summary_rows([{"version": 1, names.EVAL_HEAD_ACC: 0.5, names.EVAL_GLOBAL_ACC: 0.25,
+                               names.EVAL_GLOBAL_ACC_DOMAIN_MEAN: 0.2, names.RELIABILITY_CLIENT_FAILURES: 2,
+                               names.RELIABILITY_SERVER_RESTARTS: 0, names.RELIABILITY_CLIENTS_EXCLUDED: 1}]))
     assert rows["global model accuracy (final)"] == "25.00% @ v1"
     assert rows["global model, domain mean (final)"] == "20.00% @ v1"
     assert rows["failures survived"] == "client actor failures 2, clients excluded 1"  # zero counts left out
@@ -199,7 +205,7 @@ def test_time_to_target_is_the_first_evaluation_that_reaches_it() -> None:
 
     history = [_timed(0, 0.1), _timed(2, 0.5), _timed(4, 0.81), _timed(6, 0.79), _timed(8, 0.9)]
     assert time_to_target(history, 0.8) == (400.0, 4)
-    assert time_to_target(history, 0.8, time_key="wall_s") == (10.0, 4)  # wall_s = 2.5 x version
+    assert time_to_target(history, 0.8, time_key=names.FEDERATION_WALL_S) == (10.0, 4)  # wall_s = 2.5 x version
     assert time_to_target(history, 0.5) == (200.0, 2)  # reaching exactly counts
     assert time_to_target(history, 0.95) is None
 

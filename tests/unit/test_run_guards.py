@@ -263,12 +263,14 @@ def test_no_progress_limits_are_validated_config_keys():
 
 def test_counters_are_not_logged_twice_at_the_final_step():
     from rayfed_proto.runtime.driver import _end_counters
+    from rayfed_proto.tracking import metric_names as names
 
-    history = [{"version": 5, "client_failures": 1, "checkpoints_written": 2}]
-    assert _end_counters(history, 5, {"client_failures": 1, "checkpoints_written": 2, "updates_withheld_after_end": 3}) == {
-        "updates_withheld_after_end": 3}
-    assert _end_counters(history, 5, {"client_failures": 2}) == {"client_failures": 2}  # moved since: logged
-    assert _end_counters(history, 6, {"client_failures": 1}) == {"client_failures": 1}  # no evaluation at the end
+    failures, written, withheld = (names.RELIABILITY_CLIENT_FAILURES, names.RELIABILITY_CHECKPOINTS_WRITTEN,
+                                   names.FEDERATION_UPDATES_WITHHELD_AFTER_END)
+    history = [{"version": 5, failures: 1, written: 2}]
+    assert _end_counters(history, 5, {failures: 1, written: 2, withheld: 3}) == {withheld: 3}
+    assert _end_counters(history, 5, {failures: 2}) == {failures: 2}  # moved since: logged
+    assert _end_counters(history, 6, {failures: 1}) == {failures: 1}  # no evaluation at the end
 
 
 def test_a_second_ctrl_c_says_where_to_resume(tmp_path):
@@ -341,7 +343,7 @@ def test_steps_redone_after_a_resume_are_recorded_as_superseded(tmp_path):
     tracker = MlflowTracker(TrackingConfig(tracking_uri=uri, experiment_name="e"))
     run_id = tracker.start({})
     for step in range(6):  # the dead driver logged versions 0..5, its last checkpoint was version 3
-        tracker.log_metrics({"head_acc": 0.1 * step}, step=step)
+        tracker.log_metrics({"eval/head_acc": 0.1 * step}, step=step)
     assert tracker.note_superseded_steps(3) == [4, 5]
     assert tracker.note_superseded_steps(5) == []
     assert MlflowClient(uri).get_run(run_id).data.tags["superseded_steps"] == "4-5"

@@ -1,18 +1,21 @@
 """Metric naming, per-client series selection, model choice and trial names (no Ray, no MLflow run)."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
+from rayfed_proto.tracking import metric_names as names
 from rayfed_proto.tracking.clients import EXTREMES, ClientSeries, client_row
-from rayfed_proto.tracking.metric_names import EXACT, mlflow_key, namespaced, resolve
+from rayfed_proto.tracking.metric_names import LEGACY, mlflow_key, resolve
 from rayfed_proto.tracking.models import choose_models
+from rayfed_proto.tracking.round_metrics import version_metrics
 from rayfed_proto.tuning.trainable import trial_run_name
 
 SECTIONS = {"eval", "train", "server", "federation", "reliability", "system"}
 
 
-def test_metric_keys_are_namespaced_by_rule_and_by_table():
+def test_old_flat_names_translate_for_readers_only():
     assert mlflow_key("head_acc") == "eval/head_acc" and mlflow_key("proto_acc_std") == "eval/proto_acc_std"
     assert mlflow_key("train_loss") == "train/loss" and mlflow_key("train_pseudo_candidates") == "train/pseudo_candidates"
     assert mlflow_key("server_train_s") == "server/train_s" and mlflow_key("server_mixing_rate") == "server/mixing_rate"
@@ -20,11 +23,146 @@ def test_metric_keys_are_namespaced_by_rule_and_by_table():
     assert mlflow_key("global_acc") == "eval/global_acc" and mlflow_key("global_acc_mnist") == "eval/global_acc_mnist"
     assert mlflow_key("xi_mean") == "server/xi_mean"  # an algorithm's aggregate metric
     assert mlflow_key("client/3/head_acc") == "client/3/head_acc"  # already namespaced
+    assert mlflow_key("version") == "version"
     assert mlflow_key("peak_rss_mib_server").startswith("system/")
-    # the table: every new name in a section, none shared by two old names
-    assert all(v.split("/", 1)[0] in SECTIONS for k, v in EXACT.items() if k != "version")
-    assert len(set(EXACT.values())) == len(EXACT)
-    assert namespaced({"head_acc": 0.5, "version": 3}) == {"eval/head_acc": 0.5, "version": 3}
+    # the old table: every new name in a section and made by the table, none shared by two old names
+    assert all(v.split("/", 1)[0] in SECTIONS and names.is_name(v) for v in LEGACY.values())
+    assert len(set(LEGACY.values())) == len(LEGACY)
+
+
+def test_the_table_makes_every_name_once():
+    assert names.train_term("loss") == "train/loss"  # the clients' local-update loss
+    assert names.server_metric("train_loss") == "server/train_loss"  # an aggregate's (server step's) own loss
+    assert names.server_metric("server_loss") == "server/loss"  # FedTGP / FedProtoKD server-step loss, as before
+    assert names.server_metric("xi_mean") == "server/xi_mean"
+    assert names.server_metric("global_acc_d0") == "eval/global_acc_d0"  # the server model on the global test set
+    # an aggregate key that would land on one of the runtime's own names gets a name of its own
+    assert names.server_metric("train_s") == names.server_metric("server_train_s") == "server/aggregate/train_s"
+    assert names.server_metric("proto_margin_min") != names.SERVER_PROTO_MARGIN_MIN
+    assert names.client_series(3, "head_acc") == "client/3/head_acc"
+    assert names.model_metric("client_3", "head_acc") == "model/client_3/head_acc"
+    assert names.actor_memory(2, "pss_mib") == "system/actors/client_actor_2_pss_mib"
+    assert names.sweep_best(names.EVAL_HEAD_ACC) == "best/eval/head_acc"
+    assert all(n.split("/", 1)[0] in SECTIONS | {"sweep"} for n in names.NAMES)
+    assert not names.is_name("head_acc") and not names.is_name("train_loss") and not names.is_name("client/x/head_acc")
+
+
+def _fake_evaluation():
+    """version_metrics' inputs: two clients, local-update terms loss/ce, an aggregate returning its
+    own train_loss (the server step) next to a global-test accuracy, a virtual clock."""
+    results = [{"client_id": 1, "n": 10, "head_correct": 6, "proto_correct": 5, "silhouette": 0.2, "train_loss": 0.9},
+               {"client_id": 0, "n": 30, "head_correct": 24, "proto_correct": 21, "silhouette": 0.4, "nonfinite": True,
+                "train_loss": 0.5}]
+    server = {"margin": (1.0, 2.0), "staleness_mean": 0.5, "staleness_max": 2, "accepted": 7, "dropped_stale": 1,
+              "late": 0, "rolled_back": 0, "refused": 2, "server_train_s": 3.0,
+              "server_metrics": {"train_loss": 7.5, "server_loss": 6.5, "xi_mean": 0.25, "global_acc": 0.7,
+                                 "train_s": 9.0}}
+    stats = SimpleNamespace(last_terms={0: {"loss": 0.5, "ce": 0.4}, 1: {"loss": 0.9, "ce": float("nan")}},
+                            bytes_up=100, bytes_down=400, dispatched=9, busy_s=12.0)
+    return results, server, stats
+
+
+def test_version_metrics_are_born_with_their_names_and_the_two_losses_kept_apart():
+    results, server, stats = _fake_evaluation()
+    m = version_metrics(results, server, stats, wall=10.0, sim_time=55.0, slots=2)
+    per_client = m.pop(names.PER_CLIENT)
+    assert [r["client_id"] for r in per_client] == [0, 1]
+    unnamed = [k for k in m if not names.is_name(k)]
+    assert unnamed == []  # every key made by the table
+    # the clients' local-update loss (mean over clients) and the server step's loss: two names, two values
+    assert m["train/loss"] == pytest.approx(0.7) and m["server/train_loss"] == 7.5
+    assert m["train/ce"] == pytest.approx(0.4)  # a NaN term is left out of the mean
+    assert m["server/loss"] == 6.5 and m["server/xi_mean"] == 0.25 and m["eval/global_acc"] == 0.7
+    # a runtime counter is never overwritten by an aggregate key
+    assert m[names.SERVER_TRAIN_S] == 3.0 and m["server/aggregate/train_s"] == 9.0
+    assert m[names.EVAL_HEAD_ACC] == pytest.approx(30 / 40) and m[names.EVAL_PROTO_ACC] == pytest.approx(26 / 40)
+    assert m[names.EVAL_CLIENTS_NONFINITE] == 1 and m[names.EVAL_SILHOUETTE_MEAN] == pytest.approx(0.3)
+    assert m[names.FEDERATION_SIM_TIME_S] == 55.0 and m[names.FEDERATION_SLOT_UTILISATION] == pytest.approx(0.6)
+    assert m[names.FEDERATION_UPDATES_DROPPED] == 1 and m[names.SERVER_PROTO_MARGIN_MIN] == 1.0
+    assert "version" not in m  # the driver adds the step
+    without_clock = version_metrics(results, server, stats, wall=10.0, sim_time=float("nan"), slots=2)
+    assert names.FEDERATION_SIM_TIME_S not in without_clock
+
+
+def test_the_drivers_metric_helpers_use_the_table():
+    from rayfed_proto.runtime.driver import _bar_postfix, _client_actor_restarts, _reliability_metrics
+    from rayfed_proto.tracking.run_logging import RunLogging
+
+    stats = SimpleNamespace(client_failures=1, updates_lost_client=2, server_restarts=0, updates_lost_server=0,
+                            versions_redone=0, evals_incomplete=0, excluded={3}, checkpoints=4, versions_empty=0,
+                            checkpoints_failed=0)
+    scheduler = SimpleNamespace(stats=stats)
+    made = {**_reliability_metrics(scheduler), **_client_actor_restarts(scheduler)}
+    assert all(names.is_name(k) for k in made) and made[names.RELIABILITY_CLIENTS_EXCLUDED] == 1
+    results, server, st = _fake_evaluation()
+    m = version_metrics(results, server, st, wall=10.0, sim_time=55.0, slots=2)
+    assert _bar_postfix(m) == {"acc": "0.750", "proto": "0.650", "global": "0.700", "wall": "10s", "sim": "55s"}
+
+    logged = []
+    run_log = RunLogging.__new__(RunLogging)  # only what actor_memory and on_eval need
+    run_log.tracker = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics))
+    run_log.series = ClientSeries(2, limit=5, sample=2, seed=0)
+    run_log.actor_memory([{"peak_rss_mib": 1.0, "pss_mib": 2.0}, {"peak_rss_mib": 3.0, "pss_mib": 4.0}], step=3)
+    rest = run_log.on_eval(3, dict(m))
+    assert names.PER_CLIENT not in rest and rest == {k: v for k, v in m.items() if k != names.PER_CLIENT}
+    assert logged[0] == {"system/actors/client_actor_0_peak_rss_mib": 1.0, "system/actors/client_actor_0_pss_mib": 2.0,
+                         names.SYSTEM_SERVER_PSS_MIB: 4.0}
+    assert logged[1]["client/0/head_acc"] == pytest.approx(0.8) and logged[1]["client/1/train_loss"] == 0.9
+    assert all(names.is_name(k) for batch in logged for k in batch)
+
+
+def test_the_drivers_end_of_run_metrics_use_the_table(tmp_path):
+    from rayfed_proto.runtime.driver import _log_time_to_target, _record_failure
+
+    class Tracker:
+        def __init__(self):
+            self.logged, self.tags = [], {}
+
+        def log_metrics(self, metrics, step):
+            self.logged.append(dict(metrics))
+
+        def set_tags(self, tags):
+            self.tags.update(tags)
+
+    history = [{"version": v, names.EVAL_HEAD_ACC: 0.2 * v, names.FEDERATION_WALL_S: 2.0 * v,
+                names.FEDERATION_SIM_TIME_S: 10.0 * v} for v in range(4)]
+    run = SimpleNamespace(cfg=SimpleNamespace(tracking=SimpleNamespace(target_accuracy=0.4)), history=history,
+                          tracker=Tracker())
+    _log_time_to_target(run, 3)
+    assert run.tracker.logged == [{names.FEDERATION_TIME_TO_TARGET_SIM_S: 20.0, names.FEDERATION_TIME_TO_TARGET_WALL_S: 4.0}]
+
+    stats = SimpleNamespace(client_failures=0, updates_lost_client=0, server_restarts=0, updates_lost_server=0,
+                            versions_redone=0, evals_incomplete=0, excluded=set(), checkpoints=1, versions_empty=0,
+                            checkpoints_failed=0, dispatched=5)
+    dead_server = SimpleNamespace(stats=SimpleNamespace(remote=lambda: None))  # its counters cannot be read
+    tracker = Tracker()
+    _record_failure(tracker, SimpleNamespace(stats=stats, server=dead_server, version=3), [], tmp_path, "no progress")
+    (counters,) = tracker.logged
+    assert counters[names.FEDERATION_UPDATES_DISPATCHED] == 5 and all(names.is_name(k) for k in counters)
+
+
+def test_the_tracker_logs_names_as_given_and_warns_about_a_name_the_table_did_not_make(caplog):
+    from rayfed_proto.tracking import mlflow_tracker
+
+    with caplog.at_level("WARNING", logger="rayfed_proto"):
+        mlflow_tracker._warn_unnamed({"eval/head_acc": 0.5, "client/2/samples": 3.0, "some_flat_key": 1.0})
+        mlflow_tracker._warn_unnamed({"some_flat_key": 2.0})  # once per key
+    assert [r.getMessage().split("'")[1] for r in caplog.records] == ["some_flat_key"]
+
+
+def test_an_old_flat_history_converts_once():
+    old = [{"version": 0, "head_acc": 0.5, "train_loss": 1.5, "staleness_mean": 0.0, "server_loss": 2.0, "xi_mean": 0.1,
+            "global_acc_d0": 0.3, "client_failures": 0, "peak_rss_mib_server": 100.0}]
+    new = names.upgrade_history(old)
+    assert new == [{"version": 0, "eval/head_acc": 0.5, "train/loss": 1.5, "federation/staleness_mean": 0.0,
+                    "server/loss": 2.0, "server/xi_mean": 0.1, "eval/global_acc_d0": 0.3,
+                    "reliability/client_failures": 0, "system/actors/server_peak_rss_mib": 100.0}]
+    assert names.upgrade_history(new) == new  # today's names pass through: converting twice changes nothing
+    assert old[0]["head_acc"] == 0.5  # the input is not modified
+    # the summary and the plots read the converted history
+    from rayfed_proto.tracking.report import summary_rows
+
+    assert dict(summary_rows(new))["head accuracy (final)"] == "50.00% @ v0"
 
 
 def test_old_names_resolve_with_a_deprecation_warning_new_names_silently():

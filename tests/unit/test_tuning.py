@@ -258,7 +258,7 @@ def test_the_actors_the_driver_creates_fit_exactly_in_the_bundles():
     bundles, whatever the cluster's totals (plan_resources sees the whole cluster)."""
     ctx = TrialContext(sweep_name="s", base_raw={**BASE, "federation": {**BASE["federation"], "num_clients": 7}},
                        space_keys=["algorithm.lam"], trial_resources={"client_actors": 3, "client_cpus": 0.5},
-                       gpus_per_trial=0.5, metric="head_acc", tracking_uri="http://127.0.0.1:5000",
+                       gpus_per_trial=0.5, metric="eval/head_acc", tracking_uri="http://127.0.0.1:5000",
                        parent_run_id="p", output_dir="/tmp/out", driver_pin={"node:10.0.0.1": 0.001})
     cfg, plan = trial_config(ctx, {"algorithm.lam": 0.3}, run_name="s-1")
     for cluster_cpus, cluster_gpus in ((2, 2), (64, 8)):
@@ -300,12 +300,12 @@ def test_relative_data_paths_become_absolute(tmp_path):
 
 
 def test_rank_puts_best_first_and_trials_without_a_value_last():
-    rows = [{"trial": "a", "head_acc": 0.5}, {"trial": "b", "head_acc": None}, {"trial": "c", "head_acc": 0.9},
-            {"trial": "d", "head_acc": float("nan")}, {"trial": "e", "head_acc": 0.7}]
-    assert [r["trial"] for r in rank_trials([dict(r) for r in rows], "head_acc", "max")][:3] == ["c", "e", "a"]
-    ranked = rank_trials([dict(r) for r in rows], "head_acc", "min")
+    rows = [{"trial": "a", "eval/head_acc": 0.5}, {"trial": "b", "eval/head_acc": None}, {"trial": "c", "eval/head_acc": 0.9},
+            {"trial": "d", "eval/head_acc": float("nan")}, {"trial": "e", "eval/head_acc": 0.7}]
+    assert [r["trial"] for r in rank_trials([dict(r) for r in rows], "eval/head_acc", "max")][:3] == ["c", "e", "a"]
+    ranked = rank_trials([dict(r) for r in rows], "eval/head_acc", "min")
     assert [r["trial"] for r in ranked][:3] == ["a", "e", "c"] and [r["rank"] for r in ranked] == [1, 2, 3, 4, 5]
-    table = format_table(ranked, ["algorithm.lam"], "head_acc")
+    table = format_table(ranked, ["algorithm.lam"], "eval/head_acc")
     assert table.splitlines()[0].split()[:3] == ["rank", "trial", "algorithm.lam"]
 
 
@@ -313,9 +313,9 @@ def test_best_config_is_a_runnable_yaml_with_the_best_values(tmp_path):
     spec = parse_sweep(sweep(base={**BASE, "tracking": {"output_dir": "runs"}},
                              search_space={"algorithm.lam": {"loguniform": [0.01, 10]},
                                            "algorithm.alignment_schedule.length": {"randint": [1, 5]}}), "s.yaml")
-    best = {"trial": "t1", "algorithm.lam": 0.37, "algorithm.alignment_schedule.length": 3, "head_acc": 0.8, "version": 3}
+    best = {"trial": "t1", "algorithm.lam": 0.37, "algorithm.alignment_schedule.length": 3, "eval/head_acc": 0.8, "version": 3}
     cfg = best_config(spec, {k: best[k] for k in spec.space}, "sqlite:////abs/mlflow.db")
-    path = write_best_yaml(tmp_path / "best.yaml", cfg, spec, best, "head_acc")
+    path = write_best_yaml(tmp_path / "best.yaml", cfg, spec, best, "eval/head_acc")
     loaded = load_config(path)  # what `rayfed-proto run best.yaml` does first
     assert loaded.algorithm.options()["lam"] == 0.37 and loaded.algorithm.options()["alignment_schedule"]["length"] == 3
     assert loaded.tracking.tracking_uri == "sqlite:////abs/mlflow.db" and loaded.tracking.parent_run_id is None
@@ -326,9 +326,9 @@ def test_best_config_is_a_runnable_yaml_with_the_best_values(tmp_path):
 def test_plot_of_metric_vs_swept_params(tmp_path):
     spec = parse_sweep(sweep(search_space={"algorithm.lam": {"loguniform": [0.01, 10]},
                                            "training.optimizer": {"choice": ["sgd", "adam"]}}), "s.yaml")
-    rows = [{"algorithm.lam": 0.1, "training.optimizer": "sgd", "head_acc": 0.5, "head_acc_best": 0.6},
-            {"algorithm.lam": 1.0, "training.optimizer": "adam", "head_acc": None, "head_acc_best": float("nan")}]
-    out = plot_metric_vs_params(rows, spec.space, "head_acc", tmp_path / "p.png")
+    rows = [{"algorithm.lam": 0.1, "training.optimizer": "sgd", "eval/head_acc": 0.5, "eval/head_acc_best": 0.6},
+            {"algorithm.lam": 1.0, "training.optimizer": "adam", "eval/head_acc": None, "eval/head_acc_best": float("nan")}]
+    out = plot_metric_vs_params(rows, spec.space, "eval/head_acc", tmp_path / "p.png")
     assert out.stat().st_size > 1000
 
 
@@ -401,7 +401,7 @@ def test_a_trial_resumes_the_newest_unfinished_run_with_a_complete_checkpoint(tm
     from rayfed_proto.tuning.trainable import resumable_run, trial_output_dir
 
     ctx = TrialContext(sweep_name="s", base_raw=BASE, space_keys=[], trial_resources={}, gpus_per_trial=0.0,
-                       metric="head_acc", tracking_uri=None, parent_run_id=None, output_dir=str(tmp_path),
+                       metric="eval/head_acc", tracking_uri=None, parent_run_id=None, output_dir=str(tmp_path),
                        experiment_name="s-20261121-120000")
     folder = trial_output_dir(ctx, "abc_00001")
     assert folder == tmp_path / "s-20261121-120000" / "abc_00001"
