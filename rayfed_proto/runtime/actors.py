@@ -25,6 +25,7 @@ from rayfed_proto.config import ExperimentConfig, build_config
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import GlobalState
 from rayfed_proto.runtime.core import ClientHost, EvalSet, ServerCore, corrupt_update
+from rayfed_proto.runtime.policies import ServerNeeds
 
 
 def pick_device() -> torch.device:
@@ -109,8 +110,9 @@ class ClientActor:
         self.host = ClientHost(self.cfg, dataset, splits, self.device, public_x, park=park)
         return self.host.client_ids
 
-    def train(self, client_id: int, state: GlobalState):
-        meta, update = self.host.train(client_id, state)
+    def train(self, client_id: int, state: GlobalState, keep_from: int | None = None):
+        """A local update; ``keep_from``: the oldest state of the client an evaluation may still ask for."""
+        meta, update = self.host.train(client_id, state, keep_from)
         if client_id in self.faults.corrupt_clients:  # fault injection (tests, chaos drills)
             update = corrupt_update(update, self.faults.corrupt_kind)
             meta["corrupted"] = True
@@ -128,8 +130,13 @@ class ClientActor:
             torch.set_rng_state(rng)
         return sorted(states)
 
-    def evaluate(self, client_ids: list[int], state: GlobalState) -> list[dict[str, Any]]:
-        return self.host.evaluate(client_ids, state)
+    def evaluate(self, client_ids: list[int], state: GlobalState, as_of: dict[int, int] | None = None) -> list[dict[str, Any]]:
+        """Each client after ``as_of[c]`` local updates (its newest without), against ``state``."""
+        return self.host.evaluate(client_ids, state, as_of)
+
+    def update_counts(self) -> dict[int, int]:
+        """Local updates each hosted client has done (the name of its current state)."""
+        return self.host.update_counts()
 
     def export_model(self, client_id: int, state: GlobalState) -> tuple[torch.nn.Module, dict[str, Any]]:
         """A CPU copy of the client's model as an evaluation against ``state`` scores it, with
@@ -151,31 +158,28 @@ class ServerActor:
     intake (``submit``) never queues behind server training; the driver learns of new versions
     through ``wait_versions``. In sync mode the driver calls ``step`` when a round is complete."""
 
-    def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, buffer_size, torch_threads: int,
-                 dataset: ArrayDataset | None = None, global_test_idx=None, public_idx=None):
-        """``dataset``: the object store's arrays (zero-copy), from which the server takes only what
-        it holds (global test set, public set); never read from disk here."""
+    def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, needs: ServerNeeds,
+                 torch_threads: int, dataset: ArrayDataset | None = None, global_test_idx=None, public_idx=None):
+        """``needs``: what the federation policy asks of the server (buffer size, a training thread,
+        staleness bound); ``dataset``: the object store's arrays (zero-copy), from which the server
+        takes only what it holds (global test set, public set); never read from disk here."""
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         self.device = pick_device()
         leave_out_triton_on_cpu(self.device)
         cfg = build_config(cfg_dict)
-        # async in real time: a training thread aggregates beside intake; with a virtual clock
-        # (system profiles) a submission aggregates inline, so the version the next client trains
-        # against depends on the simulated order alone
-        background = buffer_size is not None and getattr(cfg, "system", None) is None
         global_test = public_x = None
         if dataset is not None and global_test_idx is not None and len(global_test_idx):
             global_test = EvalSet.from_dataset(dataset, global_test_idx)
         if dataset is not None and public_idx is not None and len(public_idx):
             public_x = dataset.tensors(public_idx)[0]
-        self.core = ServerCore(cfg, num_classes, in_channels, image_size, self.device, buffer_size,
-                               background=background, global_test=global_test, public_x=public_x)
+        self.core = ServerCore(cfg, num_classes, in_channels, image_size, self.device, needs,
+                               global_test=global_test, public_x=public_x)
         self._versions_cond = threading.Condition()
         self._new_versions: list[tuple[int, Any]] = []  # (version, state ref) not yet handed out
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        if background:
+        if needs.background:  # a training thread aggregates beside intake
             threading.Thread(target=self._train_loop, name="server-training", daemon=True).start()
 
     def _publish(self, receipt: dict[str, Any]) -> dict[str, Any]:

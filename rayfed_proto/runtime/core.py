@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +26,7 @@ from rayfed_proto.config import ExperimentConfig, group_is_homogeneous
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
+from rayfed_proto.runtime.policies import ServerNeeds
 
 log = logging.getLogger("rayfed_proto")
 
@@ -154,6 +154,7 @@ class ClientRunner:
         self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
                                           torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id))
         self.last_loss = float("nan")
+        self.updates = 0  # local updates completed: names the state an evaluation asks for (``as_of``)
         # The client's own torch RNG stream (dropout and anything else drawing from torch's global
         # generator), swapped in around its local updates: a client's result does not depend on
         # which other clients share its worker process, or in which order they ran.
@@ -189,7 +190,8 @@ class ClientRunner:
             self._restore_rng(outer)
         busy = time.perf_counter() - t0
         self.last_loss = terms.get("loss", float("nan"))
-        meta = {"client_id": self.client_id, "base_version": state.version, "busy_s": busy,
+        self.updates += 1
+        meta = {"client_id": self.client_id, "base_version": state.version, "busy_s": busy, "update": self.updates,
                 "terms": terms, "upload_bytes": update.nbytes, "download_bytes": state.nbytes}
         return meta, update
 
@@ -218,7 +220,8 @@ class ClientRunner:
             if pred is not None:
                 proto += int((pred == y).sum())
         self.model.train()
-        return {"client_id": self.client_id, "state_version": state.version, "n": int(len(self.test_y)), "head_correct": head,
+        return {"client_id": self.client_id, "state_version": state.version, "update": self.updates,
+                "n": int(len(self.test_y)), "head_correct": head,
                 "proto_correct": proto if bank is not None and len(bank) else None, "train_loss": self.last_loss,
                 "silhouette": embedding_silhouette(torch.cat(all_feats) if all_feats else None, self.test_y),
                 "nonfinite": bool(all_feats) and not bool(torch.isfinite(torch.cat(all_feats)).all())}
@@ -227,7 +230,21 @@ class ClientRunner:
         return {"model": {k: v.cpu() for k, v in self.model.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "algorithm": self.algorithm.state_dict(),
                 "batch_rng": self.batches.generator.get_state(), "last_loss": self.last_loss,
-                "torch_rng": self.torch_rng, "cuda_rng": self.cuda_rng}
+                "torch_rng": self.torch_rng, "cuda_rng": self.cuda_rng, "updates": self.updates}
+
+    def eval_state(self) -> dict[str, Any]:
+        """What an evaluation reads (model, algorithm state, last loss, update count), copied: the
+        state kept for an evaluation of a version formed before the next local update lands."""
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "algorithm": copy.deepcopy(self.algorithm.state_dict()), "last_loss": self.last_loss,
+                "updates": self.updates}
+
+    def load_eval_state(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`eval_state` (or :meth:`state_dict`) wrote, optimizer and RNG untouched."""
+        self.model.load_state_dict(state["model"])
+        self.algorithm.load_state_dict(copy.deepcopy(state["algorithm"]))
+        self.last_loss = state["last_loss"]
+        self.updates = int(state.get("updates", 0))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
@@ -235,6 +252,7 @@ class ClientRunner:
         self.algorithm.load_state_dict(state["algorithm"])
         self.batches.generator.set_state(state["batch_rng"])
         self.last_loss = state["last_loss"]
+        self.updates = int(state.get("updates", 0))  # checkpoints from before the count: 0
         if state.get("torch_rng") is not None:  # checkpoints from before per-client streams keep the fresh one
             self.torch_rng = state["torch_rng"]
         if state.get("cuda_rng") is not None and self.cuda_rng is not None:
@@ -252,6 +270,13 @@ class ClientHost:
     start). An evaluation leaves a parked client as it was. So a 1,000-client cross-device run
     keeps only the clients in flight as live models. With ``park=False`` every hosted client
     stays live (cheapest for small federations).
+
+    **Evaluation states.** The evaluation of version v asks, for each client, for its state after
+    a given number of local updates (``as_of``: its latest update the server had handled when v
+    was formed, docs/architecture.md "The evaluation invariant"). A local update queued on this
+    worker before the evaluation may already have run, so before each update the host keeps the
+    state it replaces (``kept``) whenever the driver's ``keep_from`` says an evaluation may still
+    ask for it, and drops kept states no evaluation can ask for any more.
     """
 
     def __init__(self, cfg: ExperimentConfig, dataset: ArrayDataset, splits: list[ClientSplit], device: torch.device,
@@ -261,6 +286,8 @@ class ClientHost:
         self.live: dict[int, ClientRunner] = {}
         self.parked: dict[int, dict[str, Any]] = {}
         self.materialised = 0  # runners built (a count for tests and logs)
+        # client -> {local updates done: evaluation state}; None stands for the seeded initial state
+        self.kept: dict[int, dict[int, Optional[dict[str, Any]]]] = {}
         if not park:
             for c in self.splits:
                 self._runner(c)
@@ -285,20 +312,81 @@ class ClientHost:
             if keep_state:
                 self.parked[c] = runner.state_dict()
 
-    def train(self, c: int, state: GlobalState) -> tuple[dict[str, Any], ClientUpdate]:
+    def updates_done(self, c: int) -> int:
+        """Local updates client ``c`` has completed (its state's name for evaluations)."""
+        if c in self.live:
+            return self.live[c].updates
+        parked = self.parked.get(c)
+        return int(parked.get("updates", 0)) if parked is not None else 0
+
+    def update_counts(self) -> dict[int, int]:
+        return {c: self.updates_done(c) for c in self.client_ids}
+
+    def _keep_before_update(self, c: int, keep_from: Optional[int]) -> None:
+        """Keep the state a local update is about to replace when an evaluation may still ask for
+        it (``keep_from``: the oldest update count one may ask for; None: no evaluation will)."""
+        kept = self.kept.pop(c, {})
+        if keep_from is None:
+            return
+        kept = {n: st for n, st in kept.items() if n >= keep_from}
+        n = self.updates_done(c)
+        if n >= keep_from:
+            if c in self.live:
+                kept[n] = self.live[c].eval_state()
+            elif c in self.parked:  # the update replaces this dict, never changes it
+                st = self.parked[c]
+                kept[n] = {"model": st["model"], "algorithm": copy.deepcopy(st["algorithm"]),
+                           "last_loss": st["last_loss"], "updates": n}
+            else:
+                kept[n] = None  # never trained: rebuilt from its seed
+        if kept:
+            self.kept[c] = kept
+
+    def train(self, c: int, state: GlobalState, keep_from: Optional[int] = None) -> tuple[dict[str, Any], ClientUpdate]:
+        self._keep_before_update(c, keep_from)
         try:
             return self._runner(c).train(state)
         finally:
             self._release(c, keep_state=True)
 
-    def evaluate(self, clients: list[int], state: GlobalState) -> list[dict[str, Any]]:
+    def evaluate(self, clients: list[int], state: GlobalState,
+                 as_of: Optional[dict[int, int]] = None) -> list[dict[str, Any]]:
+        """Each client's state after ``as_of[c]`` local updates (its newest without ``as_of``),
+        evaluated against ``state``; every client is left as it was."""
         results = []
         for c in clients:
+            want = None if as_of is None else as_of.get(c)
             try:
-                results.append(self._runner(c).evaluate(state))
+                results.append(self._evaluate_as_of(c, state, want))
             finally:
                 self._release(c, keep_state=False)
+            if want is not None and c in self.kept:  # later evaluations ask for this state or newer ones,
+                now = self.updates_done(c)  # and the current state needs no copy
+                self.kept[c] = {n: st for n, st in self.kept[c].items() if want <= n < now}
+                if not self.kept[c]:
+                    del self.kept[c]
         return results
+
+    def _evaluate_as_of(self, c: int, state: GlobalState, want: Optional[int]) -> dict[str, Any]:
+        runner = self._runner(c)
+        if want is None or runner.updates <= want:  # its newest state (older than asked: restored from a checkpoint)
+            return runner.evaluate(state)
+        kept = self.kept.get(c, {})
+        if want not in kept:  # an invariant of the runtime, not an input error
+            raise RuntimeError(f"client {c}: an evaluation asks for its state after {want} local updates, but it has "
+                               f"done {runner.updates} and kept only {sorted(kept)}")
+        if self.park:  # the runner is dropped after this evaluation: load the kept state into it
+            if kept[want] is None:
+                runner = self.live[c] = ClientRunner(self.cfg, self.splits[c], self.dataset, self.device, self.public_x)
+            else:
+                runner.load_eval_state(kept[want])
+            return runner.evaluate(state)
+        current = runner.eval_state()
+        try:
+            runner.load_eval_state(kept[want])
+            return runner.evaluate(state)
+        finally:
+            runner.load_eval_state(current)
 
     def export_model(self, c: int, state: GlobalState) -> tuple[torch.nn.Module, dict[str, Any]]:
         """A CPU copy of client ``c``'s model as an evaluation against ``state`` scores it, with that
@@ -312,11 +400,21 @@ class ClientHost:
             self._release(c, keep_state=False)
 
     def state_dicts(self) -> dict[int, dict[str, Any]]:
-        """Every client with a state (live, or parked); a never-trained parked client has none."""
-        return {**self.parked, **{c: r.state_dict() for c, r in self.live.items()}}
+        """Every client with a state (live, or parked; a never-trained parked client has none), with
+        the earlier states an evaluation may still ask for (``kept``: with a virtual clock, a client
+        whose update is in simulated flight at a checkpoint is evaluated as before it)."""
+        states = {**self.parked, **{c: r.state_dict() for c, r in self.live.items()}}
+        for c, kept in self.kept.items():
+            if c in states:
+                states[c] = {**states[c], "kept": {int(n): st for n, st in kept.items()}}
+        return states
 
     def load_state_dicts(self, states: dict[int, dict[str, Any]]) -> None:
         for c, st in states.items():
+            self.kept.pop(c, None)
+            if st.get("kept"):
+                self.kept[c] = {int(n): kept for n, kept in st["kept"].items()}
+                st = {k: v for k, v in st.items() if k != "kept"}
             if self.park:
                 self.live.pop(c, None)
                 self.parked[c] = st
@@ -415,9 +513,11 @@ class ServerCounters:
 class ServerCore:
     """Validation, staleness, buffering and versioning around the algorithm's server part.
 
-    ``buffer_size=None`` means the caller decides when to aggregate (sync mode calls
+    The federation policy's :class:`~rayfed_proto.runtime.policies.ServerNeeds` set how:
+    ``buffer_size=None`` means the caller decides when to aggregate (sync rounds call
     :meth:`step` once the round is complete); otherwise a version is produced each time the
-    buffer holds ``buffer_size`` accepted updates (async, FedBuff-style).
+    buffer holds ``buffer_size`` accepted updates (async, FedBuff-style). Updates trained more
+    than ``max_staleness`` versions ago are dropped.
 
     With ``background=True`` :meth:`submit` only validates and buffers, under a lock, and a
     training thread calls :meth:`wait_and_step`, which aggregates K buffered updates whenever
@@ -428,14 +528,12 @@ class ServerCore:
     """
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
-                 device: torch.device, buffer_size: Optional[int], background: bool = False,
-                 global_test: Optional[EvalSet] = None, public_x: Optional[torch.Tensor] = None):
+                 device: torch.device, needs: ServerNeeds, global_test: Optional[EvalSet] = None,
+                 public_x: Optional[torch.Tensor] = None):
         self.cfg = cfg
         self.device = device
         self.global_test = global_test
-        self.buffer_size = buffer_size
-        self.background = background
-        self.max_staleness = cfg.federation.max_staleness if cfg.federation.mode == "async" else math.inf
+        self.buffer_size, self.background, self.max_staleness = needs.buffer_size, needs.background, needs.max_staleness
         self.max_version = cfg.federation.rounds
         spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x, device)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)

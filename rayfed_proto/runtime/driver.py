@@ -17,9 +17,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rayfed_proto.config import ExperimentConfig, InputError, clients_per_round, simulated_concurrency
+from rayfed_proto.config import ExperimentConfig, InputError, simulated_concurrency
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.tracking import make_tracker
+from rayfed_proto.tracking import metric_names as names
 
 log = logging.getLogger("rayfed_proto")
 
@@ -184,6 +185,7 @@ class _Run:
     start_version: int = 0
     bar: Any = None
     scheduler: Any = None
+    policy: Any = None  # the federation policy (runtime.policies): the mode as one object
     started_unix: float = 0.0  # when the run started (startup_s)
 
 
@@ -285,9 +287,13 @@ def _prepare(run: _Run, folder_locks, resume_dir) -> None:
     fed = cfg.federation
     run.groups = assign_clients(fed.num_clients, run.plan.clients_per_actor, num_actors=run.plan.num_actors,
                                 work=[float(len(s.train_idx)) for s in run.partition.clients])
-    run.fleet.assign(run.groups, run.partition, *run.shape)
+    from rayfed_proto.runtime.policies import make_policy
+
+    run.policy = make_policy(fed, _system_model(cfg, run.partition, *run.shape), seed=cfg.seed,
+                             real_slots=run.plan.concurrency)
+    run.fleet.assign(run.groups, run.partition, *run.shape, run.policy.needs)
     run.driver_state = run.ckpt.driver_state() if run.ckpt is not None else {}
-    run.history = list(run.driver_state.get("history", []))
+    run.history = names.upgrade_history(run.driver_state.get("history", []))  # a checkpoint of 0.1.x: flat keys, renamed once
 
 
 def _partition(cfg: ExperimentConfig, dataset):
@@ -381,7 +387,7 @@ def _restore(run: _Run) -> None:
 def _make_scheduler(run: _Run, on_eval, on_version):
     """The event loop, wired to MLflow (evaluations), the progress bar, checkpoints and restarts."""
     from rayfed_proto.runtime.progress import ProgressWatch
-    from rayfed_proto.runtime.scheduler import Scheduler
+    from rayfed_proto.runtime.scheduler import Hooks, Limits, Scheduler
 
     cfg, fed, fleet, tracker = run.cfg, run.cfg.federation, run.fleet, run.tracker
     if run.progress:
@@ -413,21 +419,18 @@ def _make_scheduler(run: _Run, on_eval, on_version):
 
     def restart_worker(a: int):
         actor = fleet.restart_worker(a, run.echo)
-        tracker.log_metrics({"client_actor_restarts": run.scheduler.stats.client_failures}, step=run.scheduler.version)
+        tracker.log_metrics(_client_actor_restarts(run.scheduler), step=run.scheduler.version)
         return actor
 
-    system = _system_model(cfg, run.partition, *run.shape)
-    scheduler = Scheduler(
-        mode=fed.mode, buffer_size=fed.buffer_size, num_clients=fed.num_clients, rounds=fed.rounds,
-        concurrency=run.plan.concurrency if system is None else simulated_concurrency(cfg), real_slots=run.plan.concurrency,
-        system=system, clients_per_round=clients_per_round(cfg), eval_every=fed.eval_every, seed=cfg.seed,
-        server=fleet.handles["server"], actors=fleet.handles["actors"], actor_clients=run.groups, on_eval=handle_eval,
-        on_version=handle_version, checkpoint_every=cfg.checkpoint.every, on_checkpoint=write_checkpoint,
-        restart_client_actor=restart_worker, restart_server=lambda: fleet.restart_server(run.echo),
+    limits = Limits(
+        rounds=fed.rounds, eval_every=fed.eval_every, real_slots=run.plan.concurrency, checkpoint_every=cfg.checkpoint.every,
         max_client_failures=cfg.reliability.max_client_failures, max_server_failures=cfg.reliability.max_server_failures,
         drain_timeout_s=cfg.reliability.drain_timeout_s, stop_at_version=cfg.faults.stop_at_version,
-        start_version=run.start_version, evaluate_start=not any(h["version"] == run.start_version for h in run.history),
-        progress=ProgressWatch(cfg.reliability.max_consecutive_refusals, cfg.reliability.no_progress_timeout_s))
+        start_version=run.start_version, evaluate_start=not any(h["version"] == run.start_version for h in run.history))
+    hooks = Hooks(on_eval=handle_eval, on_version=handle_version, on_checkpoint=write_checkpoint,
+                  restart_client_actor=restart_worker, restart_server=lambda: fleet.restart_server(run.echo))
+    scheduler = Scheduler(run.policy, fleet.handles["server"], fleet.handles["actors"], run.groups, limits, hooks,
+                          ProgressWatch(cfg.reliability.max_consecutive_refusals, cfg.reliability.no_progress_timeout_s))
     fleet.handles["actors"] = scheduler.actors  # the scheduler replaces dead actors in this list
     if "scheduler" in run.driver_state:
         scheduler.load_state_dict(run.driver_state["scheduler"])
@@ -435,13 +438,13 @@ def _make_scheduler(run: _Run, on_eval, on_version):
 
 
 def _bar_postfix(metrics: dict[str, Any]) -> dict[str, str]:
-    post = {"acc": f"{metrics['head_acc']:.3f}"}
-    for key, name in (("proto_acc", "proto"), ("global_acc", "global")):
+    post = {"acc": f"{metrics[names.EVAL_HEAD_ACC]:.3f}"}
+    for key, name in ((names.EVAL_PROTO_ACC, "proto"), (names.EVAL_GLOBAL_ACC, "global")):
         if key in metrics:
             post[name] = f"{metrics[key]:.3f}"
-    post["wall"] = f"{metrics['wall_s']:.0f}s"
-    if "sim_time_s" in metrics:
-        post["sim"] = f"{metrics['sim_time_s']:.0f}s"
+    post["wall"] = f"{metrics[names.FEDERATION_WALL_S]:.0f}s"
+    if names.FEDERATION_SIM_TIME_S in metrics:
+        post["sim"] = f"{metrics[names.FEDERATION_SIM_TIME_S]:.0f}s"
     return post
 
 
@@ -473,11 +476,12 @@ def _finish(run: _Run, final_version: int) -> RunResult:
 
     cfg, fed, scheduler, tracker = run.cfg, run.cfg.federation, run.scheduler, run.tracker
     startup = _startup_s(scheduler, run.started_unix)
-    tracker.log_metrics(_end_counters(run.history, final_version, {"updates_withheld_after_end": scheduler.stats.withheld,
-                                                                   **_reliability_metrics(scheduler)})
-                        | ({"startup_s": startup} if startup is not None else {}), step=final_version)
+    tracker.log_metrics(_end_counters(run.history, final_version,
+                                      {names.FEDERATION_UPDATES_WITHHELD_AFTER_END: scheduler.stats.withheld,
+                                       **_reliability_metrics(scheduler)})
+                        | ({names.FEDERATION_STARTUP_S: startup} if startup is not None else {}), step=final_version)
     if cfg.checkpoint.every:  # at the end version, so that the run can be continued with more rounds
-        scheduler._checkpoint()
+        scheduler.recovery.checkpoint()
     if run.bar is not None:
         run.bar.close()
         run.bar = None
@@ -488,7 +492,7 @@ def _finish(run: _Run, final_version: int) -> RunResult:
     _release_actors(run)  # done with them: their memory is free before the artifacts, plots and models are written
     _write_final_artifacts(run.out, tracker, run.history, bank, run.class_names, cfg)
     _write_participation(run)
-    concurrency = f"concurrency {scheduler.concurrency}" + (" simulated" if scheduler.clock is not None else "")
+    concurrency = f"concurrency {scheduler.policy.concurrency}" + (" simulated" if scheduler.policy.clock is not None else "")
     summary = format_summary_table(run.history, target_accuracy=cfg.tracking.target_accuracy, extra={
         "algorithm": cfg.algorithm.name, "dataset": f"{cfg.data.name} ({cfg.data.partition.name})",
         "clients": f"{fed.num_clients} ({fed.mode}, {concurrency}, {run.plan.num_actors} client actors)",
@@ -514,7 +518,7 @@ def _write_participation(run: _Run) -> None:
     n = run.cfg.federation.num_clients
     counts = run.scheduler.stats.client_updates
     frame = pd.DataFrame({"client_id": range(n), "updates": [counts.get(c, 0) for c in range(n)]})
-    system = run.scheduler.clock.system if run.scheduler.clock is not None else None
+    system = run.scheduler.policy.clock.system if run.scheduler.policy.clock is not None else None
     if system is not None:
         frame["speed"], frame["compute_s"] = system.speeds, system.compute_s
     frame.to_csv(run.out / "client_updates.csv", index=False)
@@ -531,7 +535,8 @@ def _log_time_to_target(run: _Run, step: int) -> None:
     if target is None:
         return
     out = {}
-    for key, time_key in (("time_to_target_sim_s", "sim_time_s"), ("time_to_target_wall_s", "wall_s")):
+    for key, time_key in ((names.FEDERATION_TIME_TO_TARGET_SIM_S, names.FEDERATION_SIM_TIME_S),
+                          (names.FEDERATION_TIME_TO_TARGET_WALL_S, names.FEDERATION_WALL_S)):
         hit = time_to_target(run.history, target, time_key=time_key)
         if hit is not None:
             out[key] = hit[0]
@@ -542,10 +547,10 @@ def _log_time_to_target(run: _Run, step: int) -> None:
 def _log_actor_memory(run: _Run, step: int) -> list[dict[str, Any]]:
     placements = _alive_infos(run.scheduler.actors + [run.scheduler.server])  # peak memory at the end
     clients_mem = placements[:-1]
-    run.tracker.log_metrics({"peak_rss_mib_client_actor_max": float(np.nanmax([p["peak_rss_mib"] for p in clients_mem])),
-                             "pss_mib_client_actor_max": float(np.nanmax([p["pss_mib"] for p in clients_mem])),
-                             "pss_mib_client_actors_total": float(np.nansum([p["pss_mib"] for p in clients_mem])),
-                             "peak_rss_mib_server": placements[-1]["peak_rss_mib"]}, step=step)
+    run.tracker.log_metrics({names.SYSTEM_CLIENT_PEAK_RSS_MIB_MAX: float(np.nanmax([p["peak_rss_mib"] for p in clients_mem])),
+                             names.SYSTEM_CLIENT_PSS_MIB_MAX: float(np.nanmax([p["pss_mib"] for p in clients_mem])),
+                             names.SYSTEM_CLIENT_PSS_MIB_TOTAL: float(np.nansum([p["pss_mib"] for p in clients_mem])),
+                             names.SYSTEM_SERVER_PEAK_RSS_MIB: placements[-1]["peak_rss_mib"]}, step=step)
     run.run_log.actor_memory(placements, step)
     return placements
 
@@ -581,11 +586,13 @@ def _record_failure(tracker, scheduler, history: list[dict[str, Any]], out: Path
     counters: dict[str, Any] = dict(_reliability_metrics(scheduler))
     try:
         server = ray.get(scheduler.server.stats.remote(), timeout=30)
-        counters.update(updates_refused=server["refused"], updates_accepted=server["accepted"],
-                        updates_dropped=server["dropped_stale"], versions_rolled_back=server["rolled_back"])
+        counters.update({names.FEDERATION_UPDATES_REFUSED: server["refused"],
+                         names.FEDERATION_UPDATES_ACCEPTED: server["accepted"],
+                         names.FEDERATION_UPDATES_DROPPED: server["dropped_stale"],
+                         names.SERVER_VERSIONS_ROLLED_BACK: server["rolled_back"]})
     except Exception as e:  # the server is gone: the scheduler's own counters still go out
         log.warning("server counters unavailable at failure: %s", e)
-    counters["updates_dispatched"] = scheduler.stats.dispatched
+    counters[names.FEDERATION_UPDATES_DISPATCHED] = scheduler.stats.dispatched
     tracker.log_metrics(counters, step=scheduler.version)
     tracker.set_tags({"failure_reason": reason[:5000]})
     if history:
@@ -629,11 +636,21 @@ def _startup_s(scheduler, started_unix: float) -> Optional[float]:
 
 def _reliability_metrics(scheduler) -> dict[str, float]:
     st = scheduler.stats
-    return {"client_failures": st.client_failures, "updates_lost_client": st.updates_lost_client,
-            "server_restarts": st.server_restarts, "updates_lost_server": st.updates_lost_server,
-            "versions_redone": st.versions_redone, "evals_incomplete": st.evals_incomplete,
-            "clients_excluded": len(st.excluded), "checkpoints_written": st.checkpoints,
-            "versions_empty": st.versions_empty, "checkpoints_failed": st.checkpoints_failed}
+    return {names.RELIABILITY_CLIENT_FAILURES: st.client_failures,
+            names.RELIABILITY_UPDATES_LOST_CLIENT: st.updates_lost_client,
+            names.RELIABILITY_SERVER_RESTARTS: st.server_restarts,
+            names.RELIABILITY_UPDATES_LOST_SERVER: st.updates_lost_server,
+            names.RELIABILITY_VERSIONS_REDONE: st.versions_redone,
+            names.RELIABILITY_EVALS_INCOMPLETE: st.evals_incomplete,
+            names.RELIABILITY_CLIENTS_EXCLUDED: len(st.excluded),
+            names.RELIABILITY_CHECKPOINTS_WRITTEN: st.checkpoints,
+            names.FEDERATION_VERSIONS_EMPTY: st.versions_empty,
+            names.RELIABILITY_CHECKPOINTS_FAILED: st.checkpoints_failed}
+
+
+def _client_actor_restarts(scheduler) -> dict[str, float]:
+    """Logged when a client actor is restarted (the restarts so far)."""
+    return {names.RELIABILITY_CLIENT_ACTOR_RESTARTS: scheduler.stats.client_failures}
 
 
 def _install_stop_handlers(scheduler) -> Callable[[], None]:
@@ -649,9 +666,9 @@ def _install_stop_handlers(scheduler) -> Callable[[], None]:
 
     def handler(signum, frame):
         name = signal.Signals(signum).name
-        if scheduler.stop_reason is not None and signum == signal.SIGINT:
+        if scheduler.recovery.stop_reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        scheduler.request_stop(name)
+        scheduler.recovery.request_stop(name)
 
     for sig in previous:
         signal.signal(sig, handler)
@@ -665,10 +682,9 @@ def _install_stop_handlers(scheduler) -> Callable[[], None]:
 
 def _write_final_artifacts(out: Path, tracker, history, bank, class_names, cfg) -> None:
     from rayfed_proto.tracking import plots
-    from rayfed_proto.tracking.metric_names import namespaced
     from rayfed_proto.tracking.report import history_to_frame
 
-    frame = history_to_frame([namespaced(h) for h in history])  # the column names of the MLflow metrics
+    frame = history_to_frame(history)  # the metrics' names (those of MLflow) as column names
     frame.to_parquet(out / "history.parquet")
     frame.to_csv(out / "history.csv", index=False)
     tracker.log_artifact(out / "history.parquet")
@@ -677,7 +693,7 @@ def _write_final_artifacts(out: Path, tracker, history, bank, class_names, cfg) 
     for fn, name in ((plots.plot_accuracy_vs_version, "accuracy_vs_version.png"),
                      (plots.plot_accuracy_vs_wall_time, "accuracy_vs_wall_time.png")):
         tracker.log_artifact(fn(history, out / name, title=title), "plots")
-    if any("sim_time_s" in h for h in history):  # virtual clock: accuracy against simulated time
+    if any(names.FEDERATION_SIM_TIME_S in h for h in history):  # virtual clock: accuracy against simulated time
         tracker.log_artifact(plots.plot_accuracy_vs_sim_time(history, out / "accuracy_vs_sim_time.png", title=title,
                                                              target=cfg.tracking.target_accuracy), "plots")
     tracker.log_artifact(plots.plot_prototype_margin(history, out / "prototype_margin.png"), "plots")

@@ -88,8 +88,11 @@ class ActorFleet:
         self._make_group()
         self.handles["actors"] = [self._new_worker_actor(a) for a in range(self.plan.num_actors)]
 
-    def assign(self, groups: list[list[int]], partition, num_classes: int, channels: int, image_size: int) -> None:
-        self.groups, self.partition = groups, partition
+    def assign(self, groups: list[list[int]], partition, num_classes: int, channels: int, image_size: int,
+               needs) -> None:
+        """Which worker hosts which clients, the data's shape, and what the federation policy
+        asks of the server (:class:`~rayfed_proto.runtime.policies.ServerNeeds`)."""
+        self.groups, self.partition, self.needs = groups, partition, needs
         self.shape = (num_classes, channels, image_size)
 
     def _setup(self, a: int, actor):
@@ -114,11 +117,11 @@ class ActorFleet:
         from rayfed_proto.runtime.actors import ServerActor
 
         self.generation["server"] = self.generation.get("server", -1) + 1
-        fed, p = self.fed, self.plan
+        p = self.plan
         self.handles["server"] = ServerActor.options(
             num_cpus=p.server_num_cpus, num_gpus=p.server_num_gpus,
             name=f"rayfed:{self.name}:server:{self.generation['server']}", **self._strategy(0)).remote(
-            self.cfg_dict, *self.shape, fed.buffer_size if fed.mode == "async" else None, max(1, p.torch_threads),
+            self.cfg_dict, *self.shape, self.needs, max(1, p.torch_threads),
             self.data_ref, self.partition.global_test_idx, self.partition.public_idx)
         return self.handles["server"]
 

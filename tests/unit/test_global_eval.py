@@ -1,11 +1,14 @@
 """Global-test-set evaluation of a server-held model, per domain (no Ray)."""
 
+import math
+
 import numpy as np
 import torch
 
 from rayfed_proto.config import build_config
 from rayfed_proto.messages import ClientUpdate, UpdateSchema, validate_update
 from rayfed_proto.runtime.core import EvalSet, ServerCore, evaluate_global_model
+from rayfed_proto.runtime.policies import ServerNeeds
 
 
 class ArgmaxOfInput(torch.nn.Module):
@@ -44,7 +47,7 @@ def _fedavg_core(global_test):
                             "federation.num_clients=2", "federation.mode=sync", "federation.rounds=3",
                             "federation.eval_every=2"])
     return ServerCore(cfg, num_classes=3, in_channels=1, image_size=8, device=torch.device("cpu"),
-                      buffer_size=None, global_test=global_test)
+                      needs=ServerNeeds(None, background=False, max_staleness=math.inf), global_test=global_test)
 
 
 def test_server_core_logs_global_accuracy_at_evaluated_versions_only():

@@ -1,5 +1,7 @@
 """Message validation at the border and the server's buffer/staleness/version logic (no Ray)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -7,6 +9,7 @@ import torch
 from rayfed_proto.config import build_config
 from rayfed_proto.messages import ClientUpdate, PrototypeSet, UpdateSchema, validate_update
 from rayfed_proto.runtime.core import ServerCore
+from rayfed_proto.runtime.policies import ServerNeeds
 
 SCHEMA = UpdateSchema(num_clients=3, num_classes=4, feature_dim=2, weight_shapes={"w": (2, 2)})
 
@@ -47,7 +50,8 @@ def _core(mode="async", buffer=2, **fed):
                         "federation": {"mode": mode, "num_clients": 3, "rounds": 5, "concurrency": 3,
                                        "buffer_size": buffer, "eval_every": 1, **fed}})
     return ServerCore(cfg, num_classes=4, in_channels=1, image_size=8, device=torch.device("cpu"),
-                      buffer_size=buffer if mode == "async" else None)
+                      needs=ServerNeeds(buffer if mode == "async" else None, background=False,
+                                        max_staleness=cfg.federation.max_staleness if mode == "async" else math.inf))
 
 
 def upd(client, version, value=1.0):

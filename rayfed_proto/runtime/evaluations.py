@@ -1,0 +1,176 @@
+"""Evaluations, from a version's formation to its logged metrics (the driver's side).
+
+**The invariant.** The evaluation labelled version v uses, for each client, exactly the state it
+had when v was formed: its state after its latest local update that the server had *handled*
+(accepted, or refused: a refused update still changed the client's own model) before v was
+formed, evaluated against v's broadcast. Sync: after its round-v update (version 0: the initial
+models); async and virtual clock: never an update still in flight. A client names its states by
+the number of local updates it has done (``update_no``), so "the state as of v" is one number per
+client (``as_of``), computed here from the receipts:
+
+* every receipt carries the server version at which its update was handled (``at``); update n of
+  client c counts for every version v > at;
+* the evaluation of v is started once every receipt of a submission made before v was seen is
+  back (async: a receipt may arrive after the server reported v), so ``as_of`` is final;
+* the worker evaluates that state whether or not later updates of the client have run since:
+  the host keeps the states an evaluation may still ask for (``keep_from``, sent with each
+  local update), see :class:`rayfed_proto.runtime.core.ClientHost`.
+
+So evaluations may run whenever the workers are free, overlapping the server's work, and still
+measure exactly their version. No Ray calls here: the scheduler launches and collects.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayfed_proto.tracking.round_metrics import version_metrics
+
+
+@dataclass
+class _Formed:
+    version: int
+    state_ref: Any
+    counters: tuple  # (scheduler stats, wall s, simulated s, server stats or a ref to them) when formed
+    gate: int  # the receipts of submissions up to this ticket must be back before it starts
+
+
+@dataclass
+class _Running:
+    parts: int  # worker actors still to answer
+    as_of: dict[int, int]
+    counters: tuple
+    results: list = field(default_factory=list)
+    incomplete: bool = False  # a worker died: some clients' results are missing
+
+
+class Evaluations:
+    """Which versions are evaluated, in which client states, and their results as they arrive."""
+
+    def __init__(self, eval_every: int, rounds: int, counts: dict[int, int], version: int, stats,
+                 on_eval: Callable[[int, dict[str, Any]], None], real_slots: int, resolve: Callable[[Any], Any]):
+        """``counts``: each client's local updates done at the start (its state then);
+        ``resolve``: turns the server's stats ref into the stats (``ray.get``)."""
+        self.eval_every, self.rounds, self.stats, self.on_eval = eval_every, rounds, stats, on_eval
+        self.real_slots, self.resolve = real_slots, resolve
+        self.log: dict[int, list[tuple[int, float]]] = {c: [(n, -math.inf)] for c, n in counts.items()}
+        self.formed_queue: list[_Formed] = []  # formed, not started: version order
+        self.running: dict[int, _Running] = {}
+        self.tickets = 0  # submissions made
+        self.open: set[int] = set()  # submissions whose receipt is not back
+        self.newest = version  # the newest version seen
+
+    # ------------------------------------------------------------------ what the server handled
+    def ticket(self) -> int:
+        """A submission is made: its number (its receipt gates evaluations of later versions)."""
+        self.tickets += 1
+        self.open.add(self.tickets)
+        return self.tickets
+
+    def handed(self, client: int, update_no: int, at: float, ticket: int = -1) -> None:
+        """The server handled update ``update_no`` of ``client`` at version ``at`` (its receipt)."""
+        self.open.discard(ticket)
+        if client >= 0:
+            self.log[client].append((update_no, at))
+            self._trim(client)
+
+    def actor_restarted(self, counts: dict[int, int]) -> None:
+        """A worker was recreated from a checkpoint: its clients' states are those now."""
+        for c, n in counts.items():
+            self.log[c] = [(n, -math.inf)]
+
+    def _state_before(self, client: int, version: float) -> int:
+        return next(n for n, at in reversed(self.log[client]) if at < version)
+
+    def _oldest_asked(self) -> float:
+        return self.formed_queue[0].version if self.formed_queue else self.newest + 1
+
+    def keep_from(self, client: int) -> int:
+        """The oldest state of ``client`` an evaluation not yet started may ask for."""
+        return self._state_before(client, self._oldest_asked())
+
+    def _trim(self, client: int) -> None:
+        log, oldest = self.log[client], self._oldest_asked()
+        keep = max(i for i, (_, at) in enumerate(log) if at < oldest)
+        del log[:keep]
+
+    # ------------------------------------------------------------------ versions
+    def due(self, version: int) -> bool:
+        return version % self.eval_every == 0 or version == self.rounds
+
+    def formed(self, version: int, state_ref, counters: Callable[[], tuple], force: bool = False) -> None:
+        """Version ``version`` exists (``counters`` reads the run's counters at it, only when due)."""
+        self.newest = max(self.newest, version)
+        if force or self.due(version):
+            self.formed_queue.append(_Formed(version, state_ref, counters(), gate=self.tickets))
+            self.formed_queue.sort(key=lambda f: f.version)
+
+    def start_ready(self, launch: Callable[[int, Any, dict[int, int]], int]) -> None:
+        """Start, in version order, each formed evaluation whose earlier receipts are all back;
+        ``launch(version, state_ref, as_of)`` sends it to the workers and returns their number."""
+        while self.formed_queue and min(self.open, default=math.inf) > self.formed_queue[0].gate:
+            f = self.formed_queue.pop(0)
+            as_of = {c: self._state_before(c, f.version) for c in self.log}
+            self.running[f.version] = _Running(launch(f.version, f.state_ref, as_of), as_of, f.counters)
+        for c in self.log:
+            self._trim(c)
+
+    def busy(self) -> bool:
+        return bool(self.formed_queue or self.running)
+
+    def server_restarted(self, version: int) -> None:
+        """The server went back to ``version``: later versions are redone, and evaluated then. The
+        clients keep the states they reached, so updates handled by the dead server count for
+        every redone version."""
+        self.formed_queue = [f for f in self.formed_queue if f.version <= version]
+        self.running = {v: r for v, r in self.running.items() if v <= version}
+        self.newest = version
+        for c, log in self.log.items():
+            self.log[c] = [(n, min(at, version)) for n, at in log]
+            self._trim(c)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each client's handed updates that a later evaluation may still need (a checkpoint is taken
+        with no evaluation running; with a virtual clock, updates in simulated flight are not
+        handed yet, so their clients are still evaluated as before them)."""
+        return {"log": {c: [[n, at] for n, at in log] for c, log in self.log.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.log = {int(c): [(int(n), float(at)) for n, at in log] for c, log in state["log"].items()}
+
+    # ------------------------------------------------------------------ results
+    def result(self, version: int, results: list[dict[str, Any]]) -> None:
+        run = self.running[version]
+        for r in results:  # invariants of the runtime, not input errors
+            if r["state_version"] != version:
+                raise RuntimeError(f"evaluation of version {version} received the state of version {r['state_version']}")
+            if r["update"] > run.as_of[r["client_id"]]:
+                raise RuntimeError(f"evaluation of version {version} saw client {r['client_id']} after {r['update']} "
+                                   f"local updates; its state as of that version is after {run.as_of[r['client_id']]}")
+        run.results.extend(results)
+        self._part_done(version)
+
+    def part_lost(self, version: int) -> None:
+        if version in self.running:
+            self.running[version].incomplete = True
+            self._part_done(version)
+
+    def _part_done(self, version: int) -> None:
+        run = self.running[version]
+        run.parts -= 1
+        if run.parts:
+            return
+        del self.running[version]
+        stats, wall, sim, server_stats = run.counters
+        if not isinstance(server_stats, dict):
+            try:
+                server_stats = self.resolve(server_stats)
+            except Exception:  # the server died after producing it: the version is redone
+                return
+        self.stats.evals_incomplete += run.incomplete
+        if run.results:
+            self.on_eval(version, version_metrics(run.results, server_stats, stats, wall, sim, self.real_slots))
+

@@ -1,0 +1,362 @@
+"""Federation policies: how local updates are handed out and when the server aggregates.
+
+A policy is the federation mode as one object. It declares what the rest of the runtime needs to
+know (:class:`ServerNeeds`: the server's buffer size, whether a server thread aggregates beside
+intake, the staleness bound; whether the driver learns of versions by waiting on the server) and
+works the federation through a narrow :class:`Port` (dispatch a local update, submit an update,
+ask for a server step, the clients that may be dispatched). Nothing else in the runtime asks which
+policy it runs, and :func:`make_policy` is the only reader of ``federation.mode`` and ``system``.
+
+* :class:`SyncRounds`: a seeded sample of ceil(rho N) clients per round, all dispatched at once
+  (they queue on their workers); the server steps once every update of the round is in;
+* :class:`AsyncSlots`: ``concurrency`` updates in flight in real time; the server's training
+  thread aggregates every K accepted updates (FedBuff-style) and the driver waits for versions;
+* :class:`VirtualAsync`: the same federation in simulated time (``system:`` profiles): updates
+  are handed to the server strictly in order of simulated finish time
+  (:mod:`rayfed_proto.runtime.simclock`), so a run's results do not depend on real timing.
+  :class:`SyncRounds` takes the clock too: a round lasts as long as its slowest client.
+
+Adding a policy: write a class with the methods of :class:`FederationPolicy` here and a branch in
+:func:`make_policy` (and the config value that selects it); docs/architecture.md shows one.
+No Ray here: policies are tested with a fake port.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol
+
+import numpy as np
+
+from rayfed_proto.runtime.simclock import SimEntry, VirtualClock
+
+
+@dataclass(frozen=True)
+class ServerNeeds:
+    """What a policy asks of the server actor (:class:`rayfed_proto.runtime.core.ServerCore`)."""
+
+    buffer_size: Optional[int]  # a version every K accepted updates; None: the driver asks for each step
+    background: bool  # a server thread aggregates beside intake (async in real time)
+    max_staleness: float  # accepted updates trained at most this many versions ago
+
+
+@dataclass
+class Pending:
+    """One entry of the scheduler's in-flight table: what the ref is and who handles it."""
+
+    handler: Callable[[Any, Pending], None]
+    kind: str  # "train" | "receipt" | "step" | "eval" | "versions"
+    client: int = -1
+    update_ref: Any = None
+    version: int = -1
+    actor: int = -1
+    entry: Optional[SimEntry] = None  # virtual clock: the update's simulated timing
+    update_no: int = -1  # the client's local updates done after this one (train: known once back)
+    ticket: int = -1  # receipt: its submission's number (evaluations wait for earlier receipts)
+
+
+class Port(Protocol):
+    """What a policy may do to the federation; the scheduler implements it."""
+
+    version: int  # the newest version the driver knows
+    rounds: int
+
+    def accepting(self) -> bool: ...  # new work may start: versions left, not draining for a checkpoint or stop
+
+    def dispatch(self, client: int) -> Pending: ...  # a local update against the newest version
+
+    def submit(self, p: Pending, meta: dict[str, Any]) -> None: ...  # hand an update over; the receipt comes back
+
+    def hand_over(self, update: Any, client: int, meta: dict[str, Any]) -> bool: ...  # submit and take the receipt now; False: the server died
+
+    def request_step(self) -> None: ...  # aggregate what the server holds into the next version
+
+    def eligible(self, one_per_actor: bool = False) -> list[int]: ...  # not excluded, nothing in flight
+
+    def training(self) -> int: ...  # local updates in flight (real)
+
+    def account(self, client: int, meta: dict[str, Any]) -> None: ...  # count a local update's cost and terms
+
+    def lost_at_server(self, n: int) -> None: ...  # updates back but never handed over (a server died)
+
+
+class FederationPolicy(Protocol):
+    needs: ServerNeeds
+    waits_for_versions: bool  # the server produces versions on its own; the driver waits for them
+    concurrency: int  # updates in flight at once (simulated ones with a clock)
+    clock: Optional[VirtualClock]
+    rng: np.random.Generator  # the client sampling stream (checkpointed)
+
+    def bind(self, port: Port) -> None: ...
+    def fill(self) -> None: ...  # dispatch what may start now (virtual clock: release finished updates too)
+    def on_update(self, p: Pending, meta: dict[str, Any]) -> None: ...  # a local update came back
+    def on_late(self, p: Pending, meta: dict[str, Any]) -> bool: ...  # came back after the last version; kept?
+    def on_receipt(self, receipt: dict[str, Any]) -> None: ...
+    def on_server_report(self, backlog: int, version: int) -> None: ...  # the buffer's fill, read at a version
+    def on_lost(self, p: Pending) -> None: ...  # its actor died
+    def on_new_version(self, version: int) -> None: ...
+    def exclude(self, client: int) -> None: ...
+    def quiet(self) -> bool: ...  # nothing the policy holds back is real work in flight
+    def at_server(self) -> int: ...  # updates the server holds that a restart would lose
+    def held_back(self) -> int: ...  # updates back but never handed over (end of run)
+    def server_restarted(self, version: int) -> None: ...
+    def sim_now(self) -> float: ...
+    def state_dict(self, resolve: Callable[[Any], Any]) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any], store: Callable[[Any], Any]) -> None: ...
+
+
+def make_policy(federation, system, *, seed: int, real_slots: int) -> FederationPolicy:
+    """The run's policy: the only place that reads ``federation.mode`` and whether a ``system``
+    model (virtual clock) is present. ``real_slots``: updates that can run at once on the workers."""
+    rng = np.random.default_rng([seed, 0x5C4ED])  # client sampling stream
+    clock = VirtualClock(system, seed) if system is not None else None
+    # ceil(rho N), as config.clients_per_round: a sync round's sample, and the virtual clock's default concurrency
+    per_round = max(1, math.ceil(federation.participation * federation.num_clients))
+    if federation.mode == "sync":
+        return SyncRounds(federation.num_clients, per_round, rng, clock)
+    needs = ServerNeeds(federation.buffer_size, background=clock is None, max_staleness=federation.max_staleness)
+    if clock is None:
+        return AsyncSlots(federation.num_clients, real_slots, needs, rng)
+    concurrency = int(federation.concurrency) if federation.concurrency != "auto" else per_round
+    return VirtualAsync(federation.num_clients, concurrency, needs, rng, clock)
+
+
+class _Policy:
+    """Defaults shared by the policies (each overrides what it does differently)."""
+
+    waits_for_versions = False
+    clock: Optional[VirtualClock] = None
+    port: Port
+
+    def bind(self, port: Port) -> None:
+        self.port = port
+
+    def on_late(self, p: Pending, meta: dict[str, Any]) -> bool:
+        return False
+
+    def on_receipt(self, receipt: dict[str, Any]) -> None:
+        pass
+
+    def on_server_report(self, backlog: int, version: int) -> None:
+        pass
+
+    def on_new_version(self, version: int) -> None:
+        pass
+
+    def exclude(self, client: int) -> None:
+        pass
+
+    def quiet(self) -> bool:
+        return True
+
+    def held_back(self) -> int:
+        return 0
+
+    def sim_now(self) -> float:
+        return self.clock.now if self.clock is not None else float("nan")
+
+    def state_dict(self, resolve) -> dict[str, Any]:
+        return {"clock": self.clock.state_dict(resolve)} if self.clock is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any], store) -> None:
+        if self.clock is not None and "clock" in state:
+            self.clock.load_state_dict(state["clock"], store)
+
+
+class SyncRounds(_Policy):
+    """A round: sample ceil(rho N) clients (online ones, with a virtual clock), dispatch them all;
+    once every update is submitted (or lost), ask the server to step."""
+
+    def __init__(self, num_clients: int, per_round: int, rng: np.random.Generator, clock: Optional[VirtualClock]):
+        self.num_clients, self.per_round, self.rng, self.clock = num_clients, per_round, rng, clock
+        self.concurrency = per_round  # updates a round has in flight
+        self.needs = ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf)
+        self.outstanding = 0  # dispatched in this round, receipt not back yet
+        self.in_round = False  # a round is running (its step not yet asked for)
+        self.stepping = False  # its step is asked for, the version not yet seen
+        self.submitted = 0  # submitted in the running round (lost at the server if it dies)
+        self.round_end = 0.0  # virtual clock: when the round's slowest update finishes
+
+    def _sample(self) -> list[int]:
+        pool = self.port.eligible()
+        if self.clock is not None:
+            online = self.clock.online(pool)
+            while not online:
+                self.clock.wait_for_online(pool)
+                online = self.clock.online(pool)
+            pool = online
+        if len(pool) == self.num_clients:  # the unchanged draw when everyone can be sampled: resumed and
+            chosen = self.rng.choice(self.num_clients, size=self.per_round, replace=False)  # uninterrupted runs alike
+        else:
+            chosen = self.rng.choice(np.array(pool), size=min(self.per_round, len(pool)), replace=False)
+        return sorted(int(c) for c in chosen)
+
+    def fill(self) -> None:
+        if self.in_round or self.stepping or not self.port.accepting():
+            return
+        # Every client of the round is dispatched at once: each queues on its host actor, so a
+        # worker goes from one client to the next without waiting for the driver.
+        chosen = self._sample()
+        self.in_round, self.outstanding = True, len(chosen)
+        self.round_end = self.clock.now if self.clock is not None else 0.0
+        for c in chosen:
+            p = self.port.dispatch(c)
+            if self.clock is not None:
+                p.entry = self.clock.start(c, p)
+
+    def on_update(self, p: Pending, meta: dict[str, Any]) -> None:
+        if p.entry is not None:
+            self.clock.finish(p.entry, meta, None)
+            self.round_end = max(self.round_end, p.entry.finish)
+            self.clock.drop(p.entry)
+        self.port.account(p.client, meta)
+        self.port.submit(p, meta)
+        self.submitted += 1
+
+    def on_receipt(self, receipt: dict[str, Any]) -> None:
+        self.outstanding -= 1
+        self._maybe_step()
+
+    def on_lost(self, p: Pending) -> None:
+        if p.entry is not None:
+            self.clock.drop(p.entry)
+        self.outstanding -= 1  # the round goes on without this update
+        self._maybe_step()
+
+    def _maybe_step(self) -> None:
+        if self.in_round and self.outstanding == 0:
+            self.in_round, self.stepping = False, True
+            self.port.request_step()
+
+    def on_new_version(self, version: int) -> None:
+        self.submitted, self.stepping = 0, False  # the round's step consumed them
+        if self.clock is not None:
+            self.clock.now = max(self.clock.now, self.round_end)
+
+    def quiet(self) -> bool:
+        return not (self.in_round or self.stepping)
+
+    def at_server(self) -> int:
+        return self.submitted
+
+    def server_restarted(self, version: int) -> None:
+        self.outstanding, self.in_round, self.stepping, self.submitted = 0, False, False, 0  # the round is abandoned
+        if self.clock is not None:
+            self.clock.entries.clear()
+
+
+class AsyncSlots(_Policy):
+    """Keep ``concurrency`` updates in flight in real time (one per idle worker); the server's
+    training thread aggregates whenever K accepted updates wait, and reports its versions."""
+
+    waits_for_versions = True
+
+    def __init__(self, num_clients: int, concurrency: int, needs: ServerNeeds, rng: np.random.Generator):
+        self.num_clients, self.concurrency, self.needs, self.rng = num_clients, concurrency, needs, rng
+        self.backlog = 0  # accepted updates waiting at the server (latest report) ...
+        self.backlog_version = 0  # ... and the server version it was read at
+        self.unreported = 0  # submitted, receipt not back yet
+
+    def fill(self) -> None:
+        # Backpressure: while a full next version already waits at the server, a new update would
+        # only wait there too and grow stale; let the server catch up first.
+        while (self.port.accepting() and self.port.training() < self.concurrency
+               and self.backlog + self.unreported < self.needs.buffer_size):
+            idle = self.port.eligible(one_per_actor=True)
+            if not idle:
+                break
+            self.port.dispatch(int(self.rng.choice(idle)))
+
+    def on_update(self, p: Pending, meta: dict[str, Any]) -> None:
+        self.port.account(p.client, meta)
+        self.port.submit(p, meta)
+        self.unreported += 1
+
+    def on_server_report(self, backlog: int, at_version: int) -> None:
+        # readings can arrive out of order: a receipt taken before the server's last step must
+        # not overwrite a later reading (it would stall dispatch until the next one)
+        if at_version >= self.backlog_version:
+            self.backlog, self.backlog_version = backlog, at_version
+
+    def on_receipt(self, receipt: dict[str, Any]) -> None:
+        self.unreported -= 1
+        if "backlog" in receipt:
+            self.on_server_report(receipt["backlog"], receipt["version"])
+
+    def on_lost(self, p: Pending) -> None:
+        pass
+
+    def at_server(self) -> int:
+        return self.backlog + self.unreported
+
+    def server_restarted(self, version: int) -> None:
+        self.backlog = self.unreported = 0
+        self.backlog_version = version
+
+
+class VirtualAsync(_Policy):
+    """Asynchronous FL in simulated time: ``concurrency`` clients train at once in the simulated
+    federation (any number of real slots run them); each finished update goes to the server in
+    order of simulated finish time, and a replacement is dispatched at that simulated instant
+    against the newest version. The server aggregates inline (no training thread): the version a
+    replacement trains against is decided by the simulated order alone."""
+
+    def __init__(self, num_clients: int, concurrency: int, needs: ServerNeeds, rng: np.random.Generator,
+                 clock: VirtualClock):
+        self.num_clients, self.concurrency, self.needs, self.rng, self.clock = num_clients, concurrency, needs, rng, clock
+        self.buffered = 0  # accepted since the last version (lost at the server if it dies)
+
+    def _dispatch_free_slots(self) -> None:
+        while self.port.accepting() and self.clock.in_flight() < self.concurrency:
+            taken = self.clock.clients_in_flight()
+            pool = [c for c in self.port.eligible() if c not in taken]
+            online = self.clock.online(pool)
+            if not online:
+                if self.clock.in_flight():
+                    return  # someone is training: try again when the next update lands
+                self.clock.wait_for_online(pool)
+                continue
+            c = int(self.rng.choice(online))
+            p = self.port.dispatch(c)
+            p.entry = self.clock.start(c, p)
+
+    def fill(self) -> None:
+        """Dispatch up to the simulated concurrency, then hand over every update known to be next
+        in simulated time, dispatching each replacement at that update's finish time."""
+        self._dispatch_free_slots()
+        while self.port.accepting():
+            e = self.clock.pop_ready()
+            if e is None:
+                return
+            self.port.account(e.client, e.meta)  # counters move in simulated order, not in the order work returned
+            if not self.port.hand_over(e.update, e.client, e.meta):
+                return  # the server died: the policy was told (server_restarted)
+            self._dispatch_free_slots()
+
+    def on_update(self, p: Pending, meta: dict[str, Any]) -> None:
+        self.clock.finish(p.entry, meta, p.update_ref)  # released by fill(), in simulated order
+
+    def on_late(self, p: Pending, meta: dict[str, Any]) -> bool:
+        self.clock.finish(p.entry, meta, p.update_ref)  # kept in the final checkpoint: a continued run hands it over
+        return True
+
+    def on_receipt(self, receipt: dict[str, Any]) -> None:
+        self.buffered = 0 if receipt.get("new_version") is not None else self.buffered + bool(receipt.get("accepted"))
+
+    def on_lost(self, p: Pending) -> None:
+        self.clock.drop(p.entry)
+
+    def at_server(self) -> int:
+        return self.buffered
+
+    def held_back(self) -> int:
+        return sum(1 for e in self.clock.entries.values() if e.exact)
+
+    def server_restarted(self, version: int) -> None:
+        # updates back but not handed over trained against versions that no longer exist
+        self.port.lost_at_server(self.held_back())
+        self.clock.entries.clear()  # the rest are orphans: counted lost when they return
+        self.buffered = 0
+

@@ -1,0 +1,238 @@
+"""Federation policies through a fake port, the evaluation bookkeeping, and the states a worker
+keeps for evaluations: all without Ray (runtime/policies.py, runtime/evaluations.py, ClientHost)."""
+
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rayfed_proto.config import build_config
+from rayfed_proto.data import load_dataset, make_partition
+from rayfed_proto.messages import GlobalState
+from rayfed_proto.runtime.core import ClientHost
+from rayfed_proto.runtime.evaluations import Evaluations
+from rayfed_proto.runtime.policies import AsyncSlots, Pending, ServerNeeds, SyncRounds, VirtualAsync, make_policy
+from rayfed_proto.runtime.scheduler import SchedulerStats
+
+
+def fed(**over):
+    return build_config({}, [f"federation.{k}={v}" for k, v in over.items()]).federation
+
+
+class FakeSystem:  # what VirtualClock reads of a system model
+    compute_s = np.ones(6)
+
+
+# ----------------------------------------------------------------------------- make_policy
+
+
+def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_needs():
+    sync = make_policy(fed(mode="sync", num_clients=10, participation=0.25), None, seed=0, real_slots=2)
+    assert isinstance(sync, SyncRounds) and sync.per_round == 3  # ceil(0.25 x 10)
+    assert sync.needs == ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf)
+    assert not sync.waits_for_versions and sync.clock is None
+    real = make_policy(fed(mode="async", buffer_size=3, max_staleness=7), None, seed=0, real_slots=2)
+    assert isinstance(real, AsyncSlots) and real.concurrency == 2
+    assert real.needs == ServerNeeds(buffer_size=3, background=True, max_staleness=7) and real.waits_for_versions
+    virtual = make_policy(fed(mode="async", buffer_size=3, num_clients=6, concurrency=4), FakeSystem(), seed=0, real_slots=2)
+    assert isinstance(virtual, VirtualAsync) and virtual.concurrency == 4 and virtual.clock is not None
+    assert virtual.needs == ServerNeeds(buffer_size=3, background=False, max_staleness=20)  # inline: simulated order decides
+    assert not virtual.waits_for_versions
+    sync_clock = make_policy(fed(mode="sync"), FakeSystem(), seed=0, real_slots=2)
+    assert isinstance(sync_clock, SyncRounds) and sync_clock.clock is not None
+
+
+# ----------------------------------------------------------------------------- policies on a fake port
+
+
+class FakePort:
+    def __init__(self, clients: int, actor_of=None, rounds: int = 5):
+        self.version, self.rounds = 0, rounds
+        self.actor_of = actor_of or {c: c for c in range(clients)}
+        self.log: list[tuple] = []
+        self.in_flight: dict[int, Pending] = {}
+
+    def accepting(self) -> bool:
+        return self.version < self.rounds
+
+    def dispatch(self, client: int) -> Pending:
+        self.log.append(("dispatch", client))
+        p = self.in_flight[client] = Pending(handler=None, kind="train", client=client)
+        return p
+
+    def submit(self, p: Pending, meta: dict[str, Any]) -> None:
+        self.log.append(("submit", p.client))
+        self.in_flight.pop(p.client)
+
+    def request_step(self) -> None:
+        self.log.append(("step",))
+
+    def eligible(self, one_per_actor: bool = False) -> list[int]:
+        busy_actors = {self.actor_of[c] for c in self.in_flight} if one_per_actor else set()
+        return [c for c in sorted(self.actor_of) if c not in self.in_flight and self.actor_of[c] not in busy_actors]
+
+    def training(self) -> int:
+        return len(self.in_flight)
+
+    def account(self, client: int, meta: dict[str, Any]) -> None:
+        self.log.append(("account", client))
+
+
+def test_sync_rounds_dispatch_a_seeded_sample_and_step_once_every_update_is_in_or_lost():
+    policy = make_policy(fed(mode="sync", num_clients=6, participation=0.5), None, seed=3, real_slots=2)
+    port = FakePort(6)
+    policy.bind(port)
+    policy.fill()
+    chosen = [c for kind, c in (e for e in port.log if e[0] == "dispatch")]
+    assert len(chosen) == 3 and chosen == sorted(chosen)
+    policy.fill()  # a round is running: nothing more
+    assert len([e for e in port.log if e[0] == "dispatch"]) == 3
+    first, second, third = (port.in_flight[c] for c in chosen)
+    policy.on_update(first, {})
+    policy.on_receipt({"accepted": True})
+    policy.on_lost(second)  # its actor died: the round goes on without it
+    assert ("step",) not in port.log
+    policy.on_update(third, {})
+    policy.on_receipt({"accepted": True})
+    assert port.log.count(("step",)) == 1 and not policy.quiet()
+    policy.on_new_version(1)
+    assert policy.quiet() and policy.at_server() == 0
+    # the same seed draws the same rounds
+    again = make_policy(fed(mode="sync", num_clients=6, participation=0.5), None, seed=3, real_slots=2)
+    port2 = FakePort(6)
+    again.bind(port2)
+    again.fill()
+    assert [e for e in port2.log if e[0] == "dispatch"] == [("dispatch", c) for c in chosen]
+
+
+def test_async_slots_fill_idle_actors_up_to_the_concurrency_and_hold_back_when_a_version_waits():
+    policy = AsyncSlots(4, concurrency=2, needs=ServerNeeds(2, True, 20), rng=np.random.default_rng(0))
+    port = FakePort(4, actor_of={0: 0, 1: 0, 2: 1, 3: 1})
+    policy.bind(port)
+    policy.fill()
+    assert port.training() == 2 and {port.actor_of[c] for c in port.in_flight} == {0, 1}  # one per actor
+    c = next(iter(port.in_flight))
+    policy.on_update(port.in_flight[c], {})
+    policy.fill()  # one submitted, receipt not back: one more may start (K = 2)
+    assert port.training() == 2
+    c = next(iter(port.in_flight))
+    policy.on_update(port.in_flight[c], {})
+    policy.fill()  # two unreported: a full next version may wait at the server, hold back
+    assert port.training() == 1
+    policy.on_receipt({"accepted": True, "backlog": 0, "version": 1})
+    policy.fill()
+    assert port.training() == 2
+
+
+# ----------------------------------------------------------------------------- evaluations
+
+
+def make_evals(counts, eval_every=1, rounds=5):
+    logged = {}
+    evals = Evaluations(eval_every, rounds, counts, 0, SchedulerStats(), lambda v, m: logged.__setitem__(v, m),
+                        real_slots=1, resolve=lambda ref: ref)
+    return evals, logged
+
+
+def test_as_of_is_each_clients_latest_update_handled_before_the_version():
+    evals, _ = make_evals({0: 0, 1: 0})
+    launched = []
+    evals.handed(0, 1, at=0)  # client 0's first update, handled while the server was at version 0
+    evals.formed(1, "state1", lambda: ())
+    evals.handed(0, 2, at=1)  # its second update arrived after version 1 was formed
+    evals.handed(1, 1, at=1)
+    evals.formed(2, "state2", lambda: ())
+    evals.start_ready(lambda v, ref, as_of: launched.append((v, ref, as_of)) or 1)
+    assert launched == [(1, "state1", {0: 1, 1: 0}), (2, "state2", {0: 2, 1: 1})]
+
+
+def test_an_evaluation_waits_for_the_receipts_of_submissions_made_before_its_version_was_seen():
+    evals, _ = make_evals({0: 0})
+    launched = []
+    ticket = evals.ticket()  # submitted; the server reports version 1 before this receipt is back
+    evals.formed(1, "s1", lambda: ())
+    evals.start_ready(lambda v, ref, as_of: launched.append((v, as_of)) or 1)
+    assert launched == []  # the update may have been accepted before version 1
+    later = evals.ticket()  # made after version 1 was seen: does not hold it back
+    evals.handed(0, 1, at=0, ticket=ticket)
+    evals.start_ready(lambda v, ref, as_of: launched.append((v, as_of)) or 1)
+    assert launched == [(1, {0: 1})]
+    evals.handed(0, 2, at=1, ticket=later)
+
+
+def test_keep_from_is_the_oldest_state_an_evaluation_not_started_may_ask_for():
+    evals, _ = make_evals({0: 0}, eval_every=1)
+    evals.handed(0, 1, at=0)
+    assert evals.keep_from(0) == 1  # the next version (1) will see update 1 or later
+    evals.formed(1, "s1", lambda: ())  # formed, not started yet
+    evals.handed(0, 2, at=1)
+    assert evals.keep_from(0) == 1  # version 1's evaluation still asks for update 1
+    evals.start_ready(lambda v, ref, as_of: 1)
+    assert evals.keep_from(0) == 2
+
+
+def test_a_result_newer_than_its_version_breaks_the_invariant_loudly():
+    evals, logged = make_evals({0: 0})
+    evals.formed(1, "s1", lambda: (SchedulerStats(), 1.0, float("nan"), {}))
+    evals.start_ready(lambda v, ref, as_of: 1)
+    with pytest.raises(RuntimeError, match="saw client 0 after 1 local updates"):
+        evals.result(1, [{"client_id": 0, "state_version": 1, "update": 1, "n": 1, "head_correct": 1}])
+    assert logged == {}
+
+
+def test_a_server_restart_drops_the_evaluations_of_versions_that_no_longer_exist():
+    evals, _ = make_evals({0: 0})
+    for v in (1, 2, 3):
+        evals.formed(v, f"s{v}", lambda: ())
+    evals.start_ready(lambda v, ref, as_of: 1)
+    evals.server_restarted(1)
+    assert sorted(evals.running) == [1] and evals.newest == 1
+
+
+# ----------------------------------------------------------------------------- the states a worker keeps
+
+
+@pytest.fixture(scope="module")
+def host_data():
+    cfg = build_config({}, ["algorithm.name=fedproto", "federation.num_clients=3", "model.feature_dim=16",
+                            "data.partition.beta=1.0"])
+    ds = load_dataset(cfg.data, cfg.seed)
+    part = make_partition(ds, cfg.data.partition, 3, cfg.seed, cfg.data.test_fraction)
+    return cfg, ds, part
+
+
+@pytest.mark.parametrize("park", [False, True])
+def test_a_worker_evaluates_the_state_asked_for_after_later_updates_ran(host_data, park):
+    cfg, ds, part = host_data
+    cpu = torch.device("cpu")
+    host = ClientHost(cfg, ds, part.clients, cpu, park=park)
+    reference = ClientHost(cfg, ds, part.clients, cpu, park=park)  # the same client, evaluated at each step
+    state = GlobalState(version=0)
+    at = {0: reference.evaluate([0], state)[0]}
+    for n in (1, 2):
+        reference.train(0, state)
+        at[n] = reference.evaluate([0], state)[0]
+    host.train(0, state, keep_from=0)  # update 1; the initial state is kept
+    host.train(0, state, keep_from=0)  # update 2; state 1 is kept too
+    same = lambda got, want: repr(got) == repr([want])  # noqa: E731  (NaN train loss before the first update)
+    assert same(host.evaluate([0], state, as_of={0: 0}), at[0])
+    assert same(host.evaluate([0], state, as_of={0: 1}), at[1])
+    assert same(host.evaluate([0], state, as_of={0: 2}), at[2])  # the newest, and the client is left as it was
+    assert same(host.evaluate([0], state), at[2])
+    assert at[0]["head_correct"] != at[2]["head_correct"] and at[1]["train_loss"] != at[2]["train_loss"]
+    with pytest.raises(RuntimeError, match="asks for its state after 1 local updates"):
+        host.evaluate([0], state, as_of={0: 1})  # dropped: an evaluation asked for 2 already
+    assert host.update_counts() == {0: 2, 1: 0, 2: 0}
+
+
+def test_a_worker_keeps_nothing_no_evaluation_can_ask_for(host_data):
+    cfg, ds, part = host_data
+    host = ClientHost(cfg, ds, part.clients, torch.device("cpu"))
+    state = GlobalState(version=0)
+    host.train(1, state)  # no keep_from: no evaluation will ask
+    assert host.kept == {}
+    host.train(1, state, keep_from=1)  # state 1 may be asked for
+    host.train(1, state, keep_from=2)  # only 2 and later now
+    assert sorted(host.kept[1]) == [2]
