@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rayfed_proto.config import ExperimentConfig, InputError, simulated_concurrency
+from rayfed_proto.config import ExperimentConfig, InputError
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.tracking import make_tracker
 from rayfed_proto.tracking import metric_names as names
@@ -361,8 +361,8 @@ def _start(run: _Run) -> None:
     cfg, fed, plan = run.cfg, run.cfg.federation, run.plan
     run.fleet.new_server()
     run.fleet.setup_workers()
-    concurrency = (f"concurrency {plan.concurrency}" if cfg.system is None else
-                   f"virtual clock: {simulated_concurrency(cfg)} clients at once simulated on {plan.concurrency} real slots")
+    concurrency = (f"concurrency {plan.concurrency}" if run.policy.clock is None else
+                   f"virtual clock: {run.policy.concurrency} clients at once simulated on {plan.concurrency} real slots")
     run.echo(f"starting {len(run.groups)} client actors ({fed.num_clients} clients, up to {plan.clients_per_actor} per "
              f"actor) and 1 server actor; per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; "
              f"{concurrency}")

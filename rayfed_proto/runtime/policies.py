@@ -123,6 +123,13 @@ def make_policy(federation, system, *, seed: int, real_slots: int) -> Federation
     return VirtualAsync(federation.num_clients, concurrency, needs, rng, clock)
 
 
+def min_real_slots(federation, virtual_clock: bool) -> Optional[int]:
+    """The real slots the run's policy needs, checked when resources are planned (None: any):
+    asynchronous rounds in real time aggregate every K accepted updates, and with fewer than K
+    updates in flight at once no version would ever form; a virtual clock simulates its slots."""
+    return federation.buffer_size if federation.mode == "async" and not virtual_clock else None
+
+
 class _Policy:
     """Defaults shared by the policies (each overrides what it does differently)."""
 

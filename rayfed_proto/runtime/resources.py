@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from rayfed_proto.config import ConfigError, ConfigIssue, ExperimentConfig
+from rayfed_proto.runtime.policies import min_real_slots
 
 
 @dataclass
@@ -87,7 +88,8 @@ def plan_resources(cfg: ExperimentConfig, cluster_cpus: float, cluster_gpus: flo
                                   "(an autoscaling cluster without workers yet: set resources.cluster_cpus to the CPUs its "
                                   "workers will bring, or run on its head, where ray up's autoscaling config names them)"))
     concurrency = min(num_actors, max(1, int(cluster_cpus))) if fed.concurrency == "auto" else min(fed.concurrency, num_actors)
-    if fed.mode == "async" and getattr(cfg, "system", None) is None and fed.buffer_size > concurrency:  # virtual clock: simulated slots
+    needed = min_real_slots(fed, virtual_clock=getattr(cfg, "system", None) is not None)
+    if needed is not None and needed > concurrency:
         issues.append(ConfigIssue(
             key="federation.buffer_size", value=fed.buffer_size,
             allowed=f"at most the concurrency this cluster gives ({concurrency}: min(client actors {num_actors}, "

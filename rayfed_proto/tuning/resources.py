@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rayfed_proto.config import ConfigError, ConfigIssue, ExperimentConfig
+from rayfed_proto.runtime.policies import min_real_slots
 
 
 @dataclass
@@ -58,7 +59,8 @@ def trial_overrides(cfg: ExperimentConfig, tr, gpus_per_trial: float, check: boo
             share = float(math.floor(share))
     concurrency = num_actors if fed.concurrency == "auto" else min(int(fed.concurrency), num_actors)
     issues: list[ConfigIssue] = []
-    if check and fed.mode == "async" and fed.buffer_size > concurrency:
+    needed = min_real_slots(fed, virtual_clock=False)  # as planned for real slots (a virtual clock's check is the run's)
+    if check and needed is not None and needed > concurrency:
         issues.append(ConfigIssue(key="federation.buffer_size", value=fed.buffer_size, allowed=(
             f"at most the trial's concurrency ({concurrency}: min(federation.concurrency, client actors "
             f"{num_actors})); raise trial_resources.client_actors or lower buffer_size")))
