@@ -72,7 +72,7 @@ def one_run(method: str, dataset: str, seed: int, args) -> dict:
     (final_head, best_head), (final_proto, best_proto) = final_best(hist, names.EVAL_HEAD_ACC), final_best(hist, names.EVAL_PROTO_ACC)
     row = {"method": method, "dataset": dataset, "seed": seed, "final_head": final_head, "best_head": best_head,
            "final_proto": final_proto, "best_proto": best_proto,
-           "final_silhouette": float(hist[-1].get("silhouette_mean", math.nan)), "run_id": result.run_id}
+           "final_silhouette": float(hist[-1].get(names.EVAL_SILHOUETTE_MEAN, math.nan)), "run_id": result.run_id}
     final_global, best_global = final_best(hist, names.EVAL_GLOBAL_ACC)
     if math.isfinite(final_global):  # a server-held model evaluated on the global test set (FedProtoKD)
         row["final_global"], row["best_global"] = final_global, best_global
