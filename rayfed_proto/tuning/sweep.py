@@ -22,7 +22,7 @@ import yaml
 
 from rayfed_proto.config import ConfigError, ConfigIssue
 from rayfed_proto.runtime.autoscale import capacity, request_if_short, withdraw_request
-from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED
+from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED, sweep_best
 from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
 from rayfed_proto.tuning.report import best_config, format_table, plot_metric_vs_params, rank_trials, write_best_yaml
@@ -390,8 +390,6 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
             client.log_artifact(parent_run_id, str(p), sub)
         if best_path is not None:
             client.log_artifact(parent_run_id, str(best_path))
-            from rayfed_proto.tracking.metric_names import sweep_best
-
             client.log_metric(parent_run_id, sweep_best(metric), float(scored[0][metric]))
             for k in spec.space:
                 client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))

@@ -182,6 +182,21 @@ def test_a_result_newer_than_its_version_breaks_the_invariant_loudly():
     assert logged == {}
 
 
+def test_after_a_server_restart_the_redone_versions_see_the_updates_the_dead_server_handled():
+    evals, _ = make_evals({0: 0})
+    launched = []
+    evals.handed(0, 1, at=0)
+    for v in (1, 2, 3):
+        evals.formed(v, f"s{v}", lambda: ())
+    evals.handed(0, 2, at=2)  # handled by the server that dies at version 3
+    evals.start_ready(lambda v, ref, as_of: 1)
+    evals.server_restarted(1)  # back to the checkpoint of version 1; the client keeps its state
+    evals.formed(2, "s2 again", lambda: ())
+    evals.start_ready(lambda v, ref, as_of: launched.append((v, as_of)) or 1)
+    assert launched == [(2, {0: 2})]
+    assert evals.keep_from(0) == 2
+
+
 def test_a_server_restart_drops_the_evaluations_of_versions_that_no_longer_exist():
     evals, _ = make_evals({0: 0})
     for v in (1, 2, 3):
