@@ -117,8 +117,8 @@ class TrainingConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: Optional[float] = Field(None, gt=0, description="clip local gradients to this norm (none: no clipping, as the papers)")
     keep_optimizer_state: bool = Field(
-        False, description="keep momentum / Adam state across local updates also when the broadcast carries weights "
-        "(default: such an update starts with a fresh optimizer state, as FedAvg/MOON reference code)")
+        False, description="keep momentum / Adam state from one local update to the next (default: every local "
+        "update starts with a fresh optimizer state, as every method's reference code builds its optimizer per round)")
     memory_format: Literal["auto", "channels_last", "contiguous"] = Field(
         "auto", description="layout of the clients' convolution weights: channels_last (NHWC) runs oneDNN's faster "
         "CPU convolutions; auto = channels_last on CPU, contiguous (NCHW) on GPU. Changes float rounding, not the model")

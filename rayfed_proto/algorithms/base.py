@@ -219,14 +219,17 @@ class ClientAlgorithm:
     def fresh_optimizer(self, state: GlobalState) -> bool:
         """Whether the local optimizer starts this update with no state (momentum, Adam moments).
 
-        Default: when the broadcast carries weights. They replace the model the state was
-        accumulated on, so the old momentum would replay the client's previous direction on the
-        new global model (about 1 / (1 - momentum) steps' worth); FedAvg, FedProx and MOON
-        reference code build a new optimizer every round (QinbinLi/MOON, main.py ``train_net``).
-        A method whose clients keep a personal model receives no weights and keeps its state.
-        ``training.keep_optimizer_state: true`` turns the reset off for every method.
+        Default: always, for every method. Every reference builds its optimizer inside each
+        round's local training: the original FedProto (``yuetan031/fedproto``, ``lib/update.py``
+        ``LocalUpdate.update_weights_het``: ``torch.optim.SGD(..., momentum=0.5)`` per call),
+        HtFLlib's and the FedSA authors' clients (the optimizer made in every ``train()``),
+        FedSC's authors (a new optimizer per client per round), and FedAvg/FedProx/MOON
+        (``QinbinLi/MOON``, ``main.py`` ``train_net``). With weights broadcast the old momentum
+        would also replay the client's previous direction on a model the broadcast replaced.
+        ``training.keep_optimizer_state: true`` keeps the state from one update to the next for
+        every method; a method may override this to decide per broadcast.
         """
-        return state.weights is not None
+        return True
 
     # -- training ----------------------------------------------------------------------------
     def loss(self, model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

@@ -197,7 +197,7 @@ class ClientRunner:
 
     def _reset_optimizer_if_fresh(self, state: GlobalState) -> None:
         """Drop the optimizer's state (momentum buffers) when the algorithm says this update
-        starts afresh (a broadcast that replaced the weights), unless training.keep_optimizer_state."""
+        starts afresh (by default every update), unless training.keep_optimizer_state."""
         if not self.cfg.training.keep_optimizer_state and self.algorithm.fresh_optimizer(state):
             self.optimizer.state.clear()  # as a new optimizer: same param groups, no per-parameter state
 
