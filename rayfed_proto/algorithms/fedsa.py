@@ -6,14 +6,16 @@ anchors; ALGORITHMS.md **Decision**, the authors' code; "ER" in Table 4). Anchor
 every class from version 0 and are the broadcast guidance. After each buffer of uploads the
 anchors of the uploaded classes move by the EMA of Eq. 10,
     A^c <- alpha A^c + (1 - alpha) P^c,
-P^c the staleness-weighted per-class mean of the uploaded local prototypes (Eq. 3); classes
-nobody uploaded keep their anchor.
+P^c the staleness-weighted per-class mean of the uploaded local prototypes (Eq. 3; uniform over
+the uploading clients by default, as the authors' ``serversa.py``); classes nobody uploaded keep
+their anchor.
 
 Client loss, Eq. 9: CE + lambda1_t L_R + lambda2 L_MCL + lambda3 L_CC with
   - L_R (Eq. 5): squared distance of each sample's feature to its class anchor (per sample, as
     the authors' code; ``alignment_reduction`` as the other prototype methods);
   - L_MCL (Eq. 6-7): CE over classes of logits -(d(f(x), A^c') + m [c' = y]), client-specific
-    margin m = max(d_global, d_local), d_global the Eq. 6 statistic over the anchors, d_local the
+    margin m = max(d_global, d_local), d_global the Eq. 6 statistic over the anchors (by default the
+    authors' mean nearest-other-class distance, ``clientsa.py``), d_local the
     same over the client's previous local prototypes (0 before its first upload; d_global when it
     holds fewer than two classes);
   - L_CC (Eq. 8): CE(h(A), [0..C-1]) with the anchors detached: only the head moves.
@@ -74,8 +76,16 @@ class FedSAOptions(PrototypeOptions):
     use_ema: bool = Field(True, description="EMA update of the anchors (Eq. 10); off: anchors stay at their initial values")
     use_embedding_projection: bool = Field(
         True, description="project the random anchors once through Linear-BN-ReLU x2 (ER, Table 4)")
+    # the authors' clientsa.py cal_local_gap / cal_global_gap: mean over classes of the distance
+    # to the nearest other class (lokinko/FedSA); the printed Eq. 6 is the mean pairwise distance
     margin_statistic: MarginStatistic = Field(
-        "mean_pairwise", description="Eq. 6: mean pairwise distance (as printed) or mean nearest-other-class distance (authors' code)")
+        "mean_nearest", description="Eq. 6: mean nearest-other-class distance (authors' code, default) or mean "
+        "pairwise distance (as printed)")
+    # the authors' serversa.py receive_protos -> proto_aggregation: the plain mean over the
+    # clients that uploaded the class (yuetan031/fedproto's); Eq. 3 prints a sample-weighted sum
+    aggregation: Literal["weighted", "uniform"] = Field(
+        "uniform", description="P^c of Eq. 3: uniform mean over the uploading clients (authors' serversa.py, default) "
+        "or sample-weighted (as printed)")
     inference_bank: Literal["prototypes", "anchors"] = Field(
         "prototypes", description="nearest-prototype inference against the server's aggregated client prototypes "
         "(authors' test_metrics) or against the anchors")
@@ -84,7 +94,7 @@ class FedSAOptions(PrototypeOptions):
 # ----------------------------------------------------------------------------- the equations
 
 
-def margin_statistic(vectors: torch.Tensor, kind: MarginStatistic = "mean_pairwise") -> float:
+def margin_statistic(vectors: torch.Tensor, kind: MarginStatistic = "mean_nearest") -> float:
     """The Eq. 6 margin of a set of class vectors (one row per class); 0.0 with fewer than two.
 
     ``mean_pairwise``: the mean of d(P^a, P^b) over the pairs a != b. The paper prints the
@@ -105,7 +115,7 @@ def margin_statistic(vectors: torch.Tensor, kind: MarginStatistic = "mean_pairwi
     raise ValueError(f"unknown margin statistic {kind!r}")
 
 
-def client_margin(anchors: torch.Tensor, local: Optional[torch.Tensor], kind: MarginStatistic = "mean_pairwise") -> float:
+def client_margin(anchors: torch.Tensor, local: Optional[torch.Tensor], kind: MarginStatistic = "mean_nearest") -> float:
     """m = max(d_global, d_local) (FedSA, after Eq. 6).
 
     d_local is 0 before the client's first upload (``local`` None); with fewer than two local
@@ -212,7 +222,7 @@ class FedSAServer(PrototypeServer):
         sets, ws = self._pairs(updates, weights, version)
         if not sets:
             return {}
-        means = aggregate_prototypes(sets, ws, self.options.aggregation)  # FedSA Eq. 3: P^c, staleness-weighted
+        means = aggregate_prototypes(sets, ws, self.options.aggregation)  # FedSA Eq. 3: P^c (uniform: serversa.py)
         self.prototypes.update(means, version)  # authors' serversa.receive_protos: global_protos
         if not self.options.use_ema:
             return {"anchor_shift": 0.0, "anchor_classes_updated": 0.0}

@@ -68,7 +68,10 @@ def test_defaults_are_the_authors_scripts():
     o = ALGO.Options()
     assert (o.lam, o.lambda2, o.lambda3, o.alpha) == (10.0, 1.0, 1.0, 0.9999)
     assert o.alignment_reduction == "mean" and o.inference_bank == "prototypes"
-    assert o.margin_statistic == "mean_pairwise" and o.use_embedding_projection and o.use_ema
+    # lokinko/FedSA clientsa.py cal_local_gap / cal_global_gap (mean nearest-other-class distance)
+    # and serversa.py proto_aggregation (plain mean over the uploading clients)
+    assert o.margin_statistic == "mean_nearest" and o.aggregation == "uniform"
+    assert o.use_embedding_projection and o.use_ema
     with pytest.raises(ValueError):
         ALGO.Options(alpha=1.5)
 
@@ -86,22 +89,24 @@ def test_margin_statistic_both_kinds_by_hand():
 
 
 def test_client_margin_is_max_of_global_and_local():
-    anchors = torch.tensor(POINTS)  # d_global = PAIRWISE = 3.41
-    assert client_margin(anchors, None) == pytest.approx(PAIRWISE, rel=1e-5)  # before any upload: d_local = 0
-    assert client_margin(anchors, torch.tensor([[50.0, 0.0]])) == pytest.approx(PAIRWISE, rel=1e-5)  # 1 class: global
-    assert client_margin(anchors, torch.tensor([[0.0, 0.0], [1.0, 0.0]])) == pytest.approx(PAIRWISE, rel=1e-5)  # local 1 < global
+    anchors = torch.tensor(POINTS)  # d_global = NEAREST = 2.08 (authors' statistic, the default)
+    assert client_margin(anchors, None) == pytest.approx(NEAREST, rel=1e-5)  # before any upload: d_local = 0
+    assert client_margin(anchors, torch.tensor([[50.0, 0.0]])) == pytest.approx(NEAREST, rel=1e-5)  # 1 class: global
+    assert client_margin(anchors, torch.tensor([[0.0, 0.0], [1.0, 0.0]])) == pytest.approx(NEAREST, rel=1e-5)  # local 1 < global
     assert client_margin(anchors, torch.tensor([[0.0, 0.0], [10.0, 0.0]])) == pytest.approx(10.0, rel=1e-5)  # local wins
-    assert client_margin(anchors, None, "mean_nearest") == pytest.approx(NEAREST, rel=1e-5)
+    assert client_margin(anchors, None, "mean_pairwise") == pytest.approx(PAIRWISE, rel=1e-5)  # Eq. 6 as printed
 
 
 def test_client_margin_uses_its_last_upload():
     client, model = client_with(version=1)
-    assert client.margin() == pytest.approx(PAIRWISE, rel=1e-5)  # no upload yet
+    assert client.margin() == pytest.approx(NEAREST, rel=1e-5)  # no upload yet: the anchors' statistic
     x = torch.tensor([[0.0, 0.0], [10.0, 0.0], [10.0, 0.0]])
     client.make_update(model, x, torch.tensor([0, 1, 1]))  # local prototypes (0,0) and (10,0): d_local = 10
     assert client.margin() == pytest.approx(10.0, rel=1e-5)
     client.make_update(model, x[:1], torch.tensor([0]))  # one local class: back to d_global
-    assert client.margin() == pytest.approx(PAIRWISE, rel=1e-5)
+    assert client.margin() == pytest.approx(NEAREST, rel=1e-5)
+    printed, model = client_with(version=1, margin_statistic="mean_pairwise")
+    assert printed.margin() == pytest.approx(PAIRWISE, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- Eq. 7 and Eq. 8
@@ -198,8 +203,20 @@ def test_server_broadcasts_every_class_from_version_zero():
     np.testing.assert_array_equal(server.guidance_bank().vectors, state.prototypes.vectors)
 
 
-def test_server_ema_of_staleness_weighted_means_for_uploaded_classes_only():
+def test_server_ema_towards_the_uniform_mean_of_the_uploads_by_default():
+    # authors' serversa.py: proto_aggregation, the plain mean over the clients that uploaded a class
     server = ALGO.Server(ALGO.Options(alpha=0.5), SPEC, CPU)
+    server.bank.vectors[:] = [[0, 0], [2, 2], [4, 4]]
+    u1 = ClientUpdate(0, 0, 4, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 3]))
+    u2 = ClientUpdate(1, 0, 3, prototypes=pset([0], [[3, 0]], [3]))
+    server.aggregate([u1, u2], [1.0, 1.0], version=1)
+    # P^0 = ([1,0] + [3,0]) / 2 = [2, 0] (counts 1 and 3 ignored) -> 0.5*[0,0] + 0.5*[2,0] = [1, 0]
+    np.testing.assert_allclose(server.broadcast(1).prototypes.vectors, [[1, 0], [1, 1.5], [4, 4]], rtol=1e-6)
+    np.testing.assert_allclose(server.prototypes.as_set().vectors, [[2, 0], [0, 1]], rtol=1e-6)  # inference bank
+
+
+def test_server_ema_of_staleness_weighted_means_for_uploaded_classes_only():
+    server = ALGO.Server(ALGO.Options(alpha=0.5, aggregation="weighted"), SPEC, CPU)
     server.bank.vectors[:] = [[0, 0], [2, 2], [4, 4]]
     u1 = ClientUpdate(0, 0, 4, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 3]))
     u2 = ClientUpdate(1, 0, 3, prototypes=pset([0], [[3, 0]], [3]))
@@ -222,7 +239,7 @@ def test_server_without_ema_keeps_the_initial_anchors():
 
 def test_inference_bank_is_the_aggregated_client_prototypes_not_the_anchors():
     # authors' clientsa.test_metrics: nearest of the server's global_protos (mean of the uploads)
-    server = ALGO.Server(ALGO.Options(alpha=0.5), SPEC, CPU)
+    server = ALGO.Server(ALGO.Options(alpha=0.5, aggregation="weighted"), SPEC, CPU)
     server.bank.vectors[:] = [[0, 0], [2, 2], [4, 4]]
     u1 = ClientUpdate(0, 0, 4, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 3]))
     u2 = ClientUpdate(1, 0, 3, prototypes=pset([0], [[3, 0]], [3]))
@@ -278,7 +295,7 @@ def test_client_loss_is_the_weighted_sum_of_the_terms():
     assert terms["ce"] == pytest.approx(math.log(3))
     assert terms["cc"] == pytest.approx(math.log(3))
     assert terms["r"] == pytest.approx(R_SUM)
-    mcl = mcl_loss(X, Y, torch.tensor(POINTS), PAIRWISE).item()
+    mcl = mcl_loss(X, Y, torch.tensor(POINTS), NEAREST).item()  # default margin: the authors' statistic
     assert terms["mcl"] == pytest.approx(mcl, rel=1e-5)
     assert loss.item() == pytest.approx(math.log(3) + 0.5 * R_SUM + 2.0 * mcl + 3.0 * math.log(3), rel=1e-5)
     # L_R with the default reduction is divided by D = 2
