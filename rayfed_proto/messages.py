@@ -56,7 +56,9 @@ class ClientUpdate:
 
     client_id: int
     base_version: int
-    num_samples: int
+    # the client's training-set size; optional: a method whose server never reads it (FedProtoKD,
+    # whose paper drops counts for privacy) leaves it out. FedAvg's weighting needs it.
+    num_samples: Optional[int] = None
     prototypes: Optional[PrototypeSet] = None
     weights: Optional[ArrayDict] = None
     extras: ArrayDict = field(default_factory=dict)
@@ -106,8 +108,8 @@ def validate_update(update: object, schema: UpdateSchema, current_version: int) 
         return f"version from the future: trained on {update.base_version}, server is at {current_version}"
     if update.base_version < 0:
         return f"negative base version {update.base_version}"
-    if update.num_samples <= 0:
-        return f"num_samples must be positive, got {update.num_samples}"
+    if update.num_samples is not None and update.num_samples <= 0:
+        return f"num_samples must be positive when given, got {update.num_samples}"
     p = update.prototypes
     if p is not None:
         ids = np.asarray(p.class_ids)

@@ -142,6 +142,10 @@ class FedAvgServer(ServerAlgorithm):
         o = self.options
         ups = [u for u, _ in pairs]
         samples = [u.num_samples for u in ups]
+        if None in samples:
+            missing = [u.client_id for u in ups if u.num_samples is None]
+            raise ValueError(f"FedAvg weights each upload by its client's sample count, but the updates of clients "
+                             f"{missing} carry no num_samples")
         if o.async_policy == "fedbuff":
             # FedBuff Algorithm 1: x <- x + eta_g sum_i s(tau_i) Delta_i / K (uploads are deltas)
             self.global_weights, rate = fedbuff_step(self.global_weights, [u.weights for u in ups],

@@ -344,7 +344,9 @@ class FedProtoKDClient(ClientAlgorithm):
             # count-free aggregation (the paper's privacy property): the per-class counts are unused,
             # so none are sent; the message format needs one positive count per class: all 1
             protos = PrototypeSet(protos.class_ids, protos.vectors, np.ones(len(protos.class_ids), np.int64))
-        return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y),
+        # no num_samples: the server never reads it, and the paper replaces counts so that the
+        # clients' data sizes stay private (count-free class centres, Eq. 5)
+        return ClientUpdate(client_id=self.client_id, base_version=self.version,
                             prototypes=protos, extras={PUBLIC_LOGITS: logits.cpu().numpy().astype(np.float32)})
 
 

@@ -354,6 +354,7 @@ def test_counts_are_sent_only_when_the_server_uses_them():
     update = client.make_update(model, x, y)  # prototype_mean: uniform (default): count-free
     assert update.prototypes.counts.tolist() == [1, 1]
     np.testing.assert_allclose(update.prototypes.vectors, [[1, 2], [4, 5]])
+    assert update.num_samples is None  # the dataset size never travels: the server has no use for it
     weighted, model = fixed_client(1, public=5, prototype_mean="weighted")
     assert weighted.make_update(model, x, y).prototypes.counts.tolist() == [1, 2]
 

@@ -23,6 +23,21 @@ def good(**kw):
 
 def test_valid_update_passes():
     assert validate_update(good(), SCHEMA, current_version=2) is None
+    assert validate_update(good(num_samples=None), SCHEMA, current_version=2) is None  # the count is optional
+
+
+def test_fedavg_refuses_to_weight_an_update_without_a_sample_count():
+    from rayfed_proto.algorithms import ALGORITHMS
+    from rayfed_proto.algorithms.base import FederationSpec
+
+    algo = ALGORITHMS.get("fedavg")
+    spec = FederationSpec(num_clients=3, num_classes=4, feature_dim=2, seed=0,
+                          build_model=lambda: torch.nn.Linear(2, 2, bias=False))
+    server = algo.Server(algo.Options(), spec, torch.device("cpu"))
+    w = {k: np.array(v) for k, v in server.global_weights.items()}
+    server.aggregate([ClientUpdate(2, 0, 5, weights=w)], [1.0], version=1)  # with a count: accepted
+    with pytest.raises(ValueError, match=r"clients \[2\] carry no num_samples"):
+        server.aggregate([ClientUpdate(2, 0, None, weights=w)], [1.0], version=1)
 
 
 @pytest.mark.parametrize("update,needle", [
