@@ -525,15 +525,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 "rayfed-proto run --resume DIR)"))])
         if not p.is_file():
             raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed="an existing YAML file")])
-        try:
-            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except UnicodeDecodeError as e:
-            raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed=(
-                f"a UTF-8 text YAML file; this one is binary or not UTF-8 (byte {e.object[e.start]:#04x} at offset "
-                f"{e.start})"))]) from None
-        except yaml.YAMLError as e:
-            raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed=f"valid YAML ({e})")]) from None
+        raw = read_yaml_file(p) or {}
     return build_config(raw, overrides, str(path) if path else None)
+
+
+def read_yaml_file(p: Path, key: str = "<file>") -> Any:
+    """The parsed YAML of file ``p``; a binary / non-UTF-8 file or invalid YAML raises a
+    ConfigError naming ``key`` and the file (config files, sweep files, a sweep's ``base:``)."""
+    try:
+        return yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError([ConfigIssue(key=key, value=str(p), allowed=(
+            f"a UTF-8 text YAML file; this one is binary or not UTF-8 (byte {e.object[e.start]:#04x} at offset "
+            f"{e.start})"))]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([ConfigIssue(key=key, value=str(p), allowed=f"valid YAML ({e})")]) from None
 
 
 def _algorithm_issues(name: str, options: dict[str, Any]) -> list[ConfigIssue]:

@@ -31,7 +31,6 @@ from pathlib import Path
 from types import UnionType
 from typing import Annotated, Any, Literal, Optional, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rayfed_proto.config import (
@@ -41,6 +40,7 @@ from rayfed_proto.config import (
     _issues_from_validation,
     build_config,
     parse_override,
+    read_yaml_file,
     set_dotted,
 )
 from rayfed_proto.preset_files import default_config_path, preset_names, presets_dir
@@ -278,9 +278,9 @@ def _resolve_base(base: Any, source_dir: Path, issues: list[ConfigIssue]) -> dic
                                   + "), an existing run-config YAML (relative to the sweep file), or a mapping"))
         return {}
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        issues.append(ConfigIssue(key="base", value=str(path), allowed=f"valid YAML ({e})"))
+        raw = read_yaml_file(path, key="base") or {}
+    except ConfigError as e:
+        issues.extend(e.issues)
         return {}
     if not isinstance(raw, dict):
         issues.append(ConfigIssue(key="base", value=str(path), allowed="a YAML mapping (a run config)"))
@@ -439,10 +439,7 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None, sweep_overr
     p = Path(path)
     if not p.is_file():
         raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed="an existing sweep YAML file")])
-    try:
-        raw = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError([ConfigIssue(key="<file>", value=str(p), allowed=f"valid YAML ({e})")]) from None
+    raw = read_yaml_file(p)
     if isinstance(raw, dict):
         raw.update({k: v for k, v in (sweep_overrides or {}).items() if v is not None})
     return parse_sweep(raw, str(p), p.resolve().parent, overrides)

@@ -88,6 +88,18 @@ def test_a_binary_config_file_is_named(tmp_path, capsys):
     assert code == 2 and str(path) in err and "UTF-8" in err and "Traceback" not in err
 
 
+def test_tune_names_a_binary_sweep_file_and_a_binary_base_file(tmp_path, capsys):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe")
+    code, err = _run_cli(["tune", str(sweep), "--check"], capsys)
+    assert code == 2 and str(sweep) in err and "UTF-8" in err and "Traceback" not in err
+    base = tmp_path / "base.yaml"
+    base.write_bytes(b"\xff\xfe\x00binary")
+    sweep.write_text("base: base.yaml\nsearch_space:\n  algorithm.lam: {choice: [1, 10]}\n")
+    code, err = _run_cli(["tune", str(sweep), "--check"], capsys)
+    assert code == 2 and "base" in err and str(base) in err and "UTF-8" in err and "Traceback" not in err
+
+
 def test_a_directory_is_not_a_config(tmp_path, capsys):
     code, err = _run_cli(["validate", str(tmp_path)], capsys)
     assert code == 2 and "directory, not a config" in err and "--resume" in err
