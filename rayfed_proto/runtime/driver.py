@@ -412,10 +412,10 @@ def _make_scheduler(run: _Run, on_eval, on_version):
         if on_version is not None:
             on_version(version)
 
-    def write_checkpoint(version: int, server_snap: dict[str, Any], actor_snaps: list) -> None:
-        if fleet.save_checkpoint(server_snap, actor_snaps, {"scheduler": run.scheduler.state_dict(),
-                                                            "history": list(run.history)}, run.run_id) is None:
-            run.scheduler.stats.checkpoints_failed += 1  # retried and failed: the previous one stands, the run goes on
+    def write_checkpoint(version: int, server_snap: dict[str, Any], actor_snaps: list) -> bool:
+        """Whether it was written (retried; on failure the previous one stands and the run goes on)."""
+        return fleet.save_checkpoint(server_snap, actor_snaps, {"scheduler": run.scheduler.state_dict(),
+                                                                "history": list(run.history)}, run.run_id) is not None
 
     def restart_worker(a: int):
         actor = fleet.restart_worker(a, run.echo)
@@ -476,12 +476,12 @@ def _finish(run: _Run, final_version: int) -> RunResult:
 
     cfg, fed, scheduler, tracker = run.cfg, run.cfg.federation, run.scheduler, run.tracker
     startup = _startup_s(scheduler, run.started_unix)
+    if cfg.checkpoint.every:  # at the end version, so that the run can be continued with more rounds
+        scheduler.recovery.checkpoint()  # before the counters: a failure here is counted too
     tracker.log_metrics(_end_counters(run.history, final_version,
                                       {names.FEDERATION_UPDATES_WITHHELD_AFTER_END: scheduler.stats.withheld,
                                        **_reliability_metrics(scheduler)})
                         | ({names.FEDERATION_STARTUP_S: startup} if startup is not None else {}), step=final_version)
-    if cfg.checkpoint.every:  # at the end version, so that the run can be continued with more rounds
-        scheduler.recovery.checkpoint()
     if run.bar is not None:
         run.bar.close()
         run.bar = None
@@ -497,6 +497,7 @@ def _finish(run: _Run, final_version: int) -> RunResult:
         "algorithm": cfg.algorithm.name, "dataset": f"{cfg.data.name} ({cfg.data.partition.name})",
         "clients": f"{fed.num_clients} ({fed.mode}, {concurrency}, {run.plan.num_actors} client actors)",
         **({"startup (run start to first update)": f"{startup:.1f} s"} if startup is not None else {}),
+        **({"checkpoints": _checkpoint_summary(scheduler.stats, run.store)} if cfg.checkpoint.every else {}),
         "MLflow run": f"{run.run_id} @ {tracker.uri}" if run.run_id else "tracking disabled",
     })
     (run.out / "summary.txt").write_text(summary + "\n")
@@ -622,6 +623,18 @@ def _end_counters(history: list[dict[str, Any]], final_version: int, counters: d
     with the same value (each step gets one point per metric unless a counter moved since)."""
     last = next((h for h in reversed(history) if h.get("version") == final_version), {})
     return {k: v for k, v in counters.items() if k not in last or last[k] != v}
+
+
+def _checkpoint_summary(stats, store) -> str:
+    """The summary's checkpoint row: how many were written, how many failed, the newest usable."""
+    try:
+        latest = store.latest()
+    except Exception:  # a damaged store: the row still says what the run counted
+        latest = None
+    newest = f"newest: version {latest.version}" if latest is not None else "none usable"
+    failed = (f", {stats.checkpoints_failed} FAILED (each time the previous one stood; see the log)"
+              if stats.checkpoints_failed else "")
+    return f"{stats.checkpoints} written{failed}; {newest}"
 
 
 def _startup_s(scheduler, started_unix: float) -> Optional[float]:

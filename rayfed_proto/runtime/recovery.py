@@ -148,9 +148,11 @@ class Recovery:
             except RayActorError as err:  # recreated from the previous checkpoint: that is its state now
                 self.client_actor_died(a, None, err)
                 actor_snaps.append(ray.get(s.actors[a].snapshot.remote()))
-        s.hooks.on_checkpoint(s.version, server_snap, actor_snaps)
-        self.last_checkpoint = s.version
-        s.stats.checkpoints += 1
+        if s.hooks.on_checkpoint(s.version, server_snap, actor_snaps):
+            self.last_checkpoint = s.version
+            s.stats.checkpoints += 1
+        else:  # retried and failed: the previous checkpoint stands; the next one due (or the end's) tries again
+            s.stats.checkpoints_failed += 1
 
     def check_drain_timeout(self) -> None:
         if not self.draining():

@@ -85,7 +85,7 @@ class Hooks:
 
     on_eval: Callable[[int, dict[str, Any]], None]
     on_version: Optional[Callable[[int], None]] = None
-    on_checkpoint: Optional[Callable[[int, dict[str, Any], list], None]] = None
+    on_checkpoint: Optional[Callable[[int, dict[str, Any], list], bool]] = None  # True: written
     restart_client_actor: Optional[Callable[[int], Any]] = None
     restart_server: Optional[Callable[[], tuple[Any, int]]] = None
 
