@@ -68,8 +68,11 @@ class PartitionConfig(_Section):
     min_samples: int = Field(10, ge=1, description="Dirichlet: resample until every client has this many")
     classes_per_client: int = Field(2, ge=1, description="pathological: k classes per client")
     n_way: int = Field(5, ge=1, description="n-way k-shot: classes per client")
-    k_shot: int = Field(20, ge=1, description="n-way k-shot: samples per class per client")
+    k_shot: int = Field(20, ge=1, description="n-way k-shot: labelled training samples per class per client")
     k_shot_std: float = Field(0.0, ge=0, description="n-way k-shot: std of k across clients")
+    test_shots: int = Field(
+        15, ge=1, description="n-way k-shot: test samples per class of each client's classes, none of them a training "
+        "sample (FedProto's code: --test_shots 15, lib/options.py)")
     clients_per_domain: Optional[list[int]] = Field(
         None, description="by_domain: clients given to each domain, in the dataset's domain order (None: spread evenly)")
     within_domain: str = Field("iid", description="by_domain: partitioner used inside each domain (label skew composes)")

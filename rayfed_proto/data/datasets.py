@@ -8,7 +8,8 @@ of side ``cfg.image_size`` so that every client model sees one input shape, what
 * ``synthetic``: class-conditional smooth patterns of any size and count, for scaling tests.
 * ``mnist``, ``fashion_mnist``, ``cifar10``, ``cifar100``: torchvision's files. The official
   train and test splits are merged because, as in HtFLlib/FedSA, the whole set is partitioned
-  over clients and each client's share is then split 75/25 (see ``partition.make_partition``).
+  over clients and each client's share is then split 75/25 (``nway_kshot``: the k shots all
+  train and the test sets are drawn apart; see ``partition.make_partition``).
 * ``npz`` and ``folder``: users' own data, optionally carrying a natural client partition
   (``client_ids``) and a fixed train/test split (``is_train``).
 * multi-domain sets (``digits_domains``, ``multidigits``, ``office_caltech10``, ``pacs``) are

@@ -2,7 +2,10 @@
 
 A partitioner (registered in ``PARTITIONERS``) decides the samples of each client; then
 :func:`make_partition` splits every client's share into train and test, stratified by class
-(or by the dataset's own ``is_train`` column when it has one). The result, a
+(or by the dataset's own ``is_train`` column when it has one). ``nway_kshot`` is the exception:
+its k shots per class are all training samples, and each client's test set is drawn apart
+(``test_shots`` per class of its classes, from samples no client trains on; see
+:func:`make_partition`), as in FedProto's code and FedSAP's setup. The result, a
 :class:`Partition`, is plain sample indices into the dataset, so it can be saved as Parquet,
 logged as an artifact and replayed exactly, independent of how the images are stored.
 
@@ -295,15 +298,19 @@ def pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
     return [np.concatenate(p) for p in parts]
 
 
-@PARTITIONERS.register("nway_kshot", help="FedProto: n_way random classes per client, k_shot samples each")
+@PARTITIONERS.register("nway_kshot", help="FedProto: n_way random classes per client, k_shot training samples each")
 def nway_kshot(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cfg: PartitionConfig,
                dataset: ArrayDataset) -> list[np.ndarray]:
-    """FedProto's protocol: every client draws ``n_way`` classes and ``k`` samples of each.
+    """FedProto's protocol: every client draws ``n_way`` classes and ``k`` training samples of each.
 
     ``k`` is ``k_shot``, or per client ``round(N(k_shot, k_shot_std))`` (at least 1). Samples
     are drawn without replacement across clients; once a class is used up, its later clients
     draw from the whole class again (so clients can share samples; a warning says so), still
     without repeating a sample within a client. Samples no client draws stay unused.
+
+    Every sample returned is a training sample: :func:`make_partition` gives this partitioner
+    only the samples training may use (the dataset's train split, or all but a per-class test
+    reserve) and draws each client's test set itself (:func:`_kshot_test_sets`).
     """
     by_class = _class_indices(labels)
     classes = np.array(sorted(by_class))
@@ -333,8 +340,8 @@ def nway_kshot(labels: np.ndarray, num_clients: int, rng: np.random.Generator, c
                       f"samples of them; lower data.partition.k_shot or federation.num_clients to avoid it",
                       stacklevel=2)
     if capped:
-        warnings.warn(f"nway_kshot: classes {sorted(capped)} have fewer samples than the k drawn for some clients; "
-                      f"those clients got the whole class instead", stacklevel=2)
+        warnings.warn(f"nway_kshot: classes {sorted(capped)} have fewer samples open to training than the k drawn for "
+                      f"some clients; those clients got all of them instead", stacklevel=2)
     return parts
 
 
@@ -538,6 +545,68 @@ def _stratified_split(idx: np.ndarray, labels: np.ndarray, test_fraction: float,
             np.sort(np.concatenate(test)) if test else np.empty(0, dtype=np.int64))
 
 
+def _is_kshot(cfg: PartitionConfig) -> bool:
+    """n-way k-shot, on the whole pool or inside each domain: k training shots, test sets drawn apart."""
+    return cfg.name == "nway_kshot" or (cfg.name == "by_domain" and cfg.within_domain == "nway_kshot")
+
+
+def _test_reserve(pool: np.ndarray, dataset: ArrayDataset, test_shots: int, rng: np.random.Generator) -> np.ndarray:
+    """For a dataset without a test split of its own: per class (per domain and class on a
+    multi-domain set), ``min(test_shots, n - 1)`` random samples of ``pool`` that no client may
+    train on, so every class keeps test samples however many clients draw shots of it."""
+    labels = dataset.labels[pool]
+    strata = labels if dataset.domains is None else dataset.domains[pool] * dataset.num_classes + labels
+    held = [_empty_index()]
+    for s in np.unique(strata):
+        members = pool[strata == s]
+        held.append(rng.choice(members, size=min(test_shots, len(members) - 1), replace=False).astype(np.int64))
+    return np.sort(np.concatenate(held))
+
+
+def _kshot_test_sets(train: list[np.ndarray], candidates: np.ndarray, dataset: ArrayDataset, test_shots: int,
+                     rng: np.random.Generator, source: str) -> list[np.ndarray]:
+    """Each client's test set: ``test_shots`` samples of every class of its training split (on a
+    multi-domain set, of the domains of its training split), drawn from ``candidates``.
+
+    Clients are served in order, each class from one random order of its candidates: first the
+    candidates no earlier client tests on, so the test sets are disjoint while they last (as the
+    blocks FedProto's code deals the clients from the test split, lib/sampling.py
+    ``cifar10_noniid_lt``); then, for what is missing, candidates another client already tests on
+    (shared, never twice in one client; FedSAP evaluates every client on one centralised test
+    set restricted to its classes). A class with fewer than ``test_shots`` candidates gives each
+    of its clients all of them, with a warning.
+    """
+    labels = dataset.labels
+    cand_labels = labels[candidates]
+    order = {int(c): rng.permutation(candidates[cand_labels == c]) for c in np.unique(cand_labels)}
+    given = np.zeros(len(labels), dtype=bool)
+    short: set[int] = set()
+    tests = []
+    for idx in train:
+        domains = None if dataset.domains is None else np.unique(dataset.domains[idx])
+        chosen = [_empty_index()]
+        for c in np.unique(labels[idx]):
+            eligible = order.get(int(c), _empty_index())
+            if domains is not None:
+                eligible = eligible[np.isin(dataset.domains[eligible], domains)]
+            fresh = eligible[~given[eligible]][:test_shots]
+            chosen.append(fresh)
+            missing = test_shots - len(fresh)
+            if missing:
+                seen = eligible[given[eligible]]
+                if len(seen):
+                    chosen.append(rng.choice(seen, size=min(missing, len(seen)), replace=False))
+                if len(seen) < missing:
+                    short.add(int(c))
+            given[fresh] = True
+        tests.append(np.sort(np.concatenate(chosen)).astype(np.int64))
+    if short:
+        warnings.warn(f"nway_kshot: classes {sorted(short)} have fewer than data.partition.test_shots = {test_shots} "
+                      f"{source}, so the clients holding them test on fewer; lower data.partition.test_shots "
+                      f"(or k_shot / federation.num_clients when clients train on most of the class)", stacklevel=3)
+    return tests
+
+
 def _unlabelled_pools(clients: list[ClientSplit], candidates: np.ndarray, labels: np.ndarray, size: int,
                       rng: np.random.Generator) -> list[np.ndarray]:
     """Each client's unlabelled pool: ``size`` samples of the classes of its training split, drawn
@@ -594,6 +663,17 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
     ``cfg.unlabelled_per_client`` each client also gets a separate unlabelled pool of its
     classes from the samples nobody holds (:func:`_unlabelled_pools`). Deterministic in ``seed``; with the
     defaults (no holdout) the result is exactly that of the partitioner on the whole dataset.
+
+    n-way k-shot (``nway_kshot``, also as ``by_domain``'s ``within_domain``) instead follows
+    FedProto's code (lib/utils.py ``get_dataset``: the shots from the train split, each client's
+    test set from the test split, ``--test_shots`` per class of its classes): the k shots are all
+    training samples and ``test_fraction`` is not used. With an ``is_train`` column the shots come
+    from its train side and the test sets from its test side; without one, ``min(test_shots,
+    n - 1)`` samples of each class (of each domain and class) are first set aside where no client
+    trains (:func:`_test_reserve`, own stream), the shots are drawn from the rest, then any
+    unlabelled pools (never from the reserve), and last each client's ``test_shots`` test
+    samples per class of its classes from the samples no client trains on or holds unlabelled
+    (:func:`_kshot_test_sets`).
     """
     if num_clients < 1:
         raise ValueError(f"federation.num_clients must be >= 1, got {num_clients}")
@@ -605,29 +685,50 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
     else:
         pool, global_test, public = None, _empty_index(), _empty_index()
     rng = np.random.default_rng(seed)
-    if pool is None:
+    everyone = np.arange(len(dataset), dtype=np.int64) if pool is None else pool
+    kshot = _is_kshot(cfg)
+    trainable = pool  # what the partitioner deals out (None: the whole dataset)
+    if kshot and dataset.is_train is not None:
+        trainable = everyone[dataset.is_train[everyone]]
+    elif kshot:
+        reserve = _test_reserve(everyone, dataset, cfg.test_shots, np.random.default_rng([seed, 5]))
+        trainable = np.setdiff1d(everyone, reserve)
+    if trainable is None:
         parts = partitioner(dataset.labels, num_clients, rng, cfg, dataset)
     else:
-        view = _view(dataset, pool)
-        parts = [pool[np.asarray(p, dtype=np.int64)] for p in partitioner(view.labels, num_clients, rng, cfg, view)]
+        view = _view(dataset, trainable)
+        parts = [trainable[np.asarray(p, dtype=np.int64)] for p in partitioner(view.labels, num_clients, rng, cfg, view)]
     if len(parts) != num_clients:
         raise RuntimeError(f"partitioner {cfg.name!r} returned {len(parts)} clients, expected {num_clients}")
     clients = []
     for client_id, idx in enumerate(parts):
         idx = np.asarray(idx, dtype=np.int64)
-        if dataset.is_train is not None:
+        if kshot:  # all k shots train; the test sets are drawn below
+            train, test = np.sort(idx), _empty_index()
+        elif dataset.is_train is not None:
             mask = dataset.is_train[idx]
             train, test = np.sort(idx[mask]), np.sort(idx[~mask])
         else:
             train, test = _stratified_split(idx, dataset.labels, test_fraction, rng)
         clients.append(ClientSplit(client_id, train, test))
     if cfg.unlabelled_per_client:
-        everyone = np.arange(len(dataset), dtype=np.int64) if pool is None else pool
         held = np.concatenate([np.concatenate([c.train_idx, c.test_idx]) for c in clients])
-        pools = _unlabelled_pools(clients, np.setdiff1d(everyone, held), dataset.labels, cfg.unlabelled_per_client,
+        free = np.setdiff1d(trainable if kshot else everyone, held)  # k-shot: never the test side or reserve
+        pools = _unlabelled_pools(clients, free, dataset.labels, cfg.unlabelled_per_client,
                                   np.random.default_rng([seed, 4]))  # own stream: the rest is unchanged
         for client, idx in zip(clients, pools, strict=True):
             client.unlabelled_idx = idx
+    if kshot:
+        if dataset.is_train is not None:
+            candidates = everyone[~dataset.is_train[everyone]]
+            source = "samples in the dataset's test split (is_train false)"
+        else:
+            taken = np.concatenate([np.concatenate([c.train_idx, c.unlabelled_idx]) for c in clients])
+            candidates = np.setdiff1d(everyone, taken)
+            source = "samples that no client trains on"
+        tests = _kshot_test_sets([c.train_idx for c in clients], candidates, dataset, cfg.test_shots, rng, source)
+        for client, test in zip(clients, tests, strict=True):
+            client.test_idx = test
     return Partition(clients=clients, num_classes=dataset.num_classes, partitioner=cfg.name, seed=seed,
                      labels=dataset.labels, global_test_idx=global_test, public_idx=public,
                      client_domains=_client_domains(dataset, clients),

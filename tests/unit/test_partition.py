@@ -106,16 +106,17 @@ def test_pathological_rejects_too_many_classes_or_too_few_slots(ds):
 def test_nway_kshot_classes_and_shots(ds):
     cfg = PartitionConfig(name="nway_kshot", n_way=4, k_shot=7, k_shot_std=0)
     p = make_partition(ds, cfg, num_clients=10, seed=0)
-    counts = p.label_counts()
-    assert ((counts > 0).sum(axis=1) == 4).all()
-    assert set(np.unique(counts[counts > 0])) == {7}
+    train, test = p.label_counts("train"), p.label_counts("test")
+    assert ((train > 0).sum(axis=1) == 4).all()
+    assert set(np.unique(train[train > 0])) == {7}  # the k shots all train
+    assert np.array_equal(test > 0, train > 0) and set(np.unique(test[test > 0])) == {15}  # test_shots apart
     idx = all_indices(p)
-    assert len(np.unique(idx)) == len(idx) == 10 * 4 * 7  # disjoint; the rest stays unused
+    assert len(np.unique(idx)) == len(idx) == 10 * 4 * (7 + 15)  # disjoint; the rest stays unused
 
 
 def test_nway_kshot_std_varies_shots_per_client(ds):
     cfg = PartitionConfig(name="nway_kshot", n_way=2, k_shot=5, k_shot_std=3)
-    counts = make_partition(ds, cfg, num_clients=20, seed=0).label_counts()
+    counts = make_partition(ds, cfg, num_clients=20, seed=0).label_counts("train")
     per_client = [set(np.unique(row[row > 0])) for row in counts]
     assert all(len(s) == 1 for s in per_client)  # one k per client, shared by its classes
     ks = np.array([s.pop() for s in per_client])
@@ -123,14 +124,16 @@ def test_nway_kshot_std_varies_shots_per_client(ds):
 
 
 def test_nway_kshot_reuses_samples_with_a_warning_when_a_class_runs_out():
-    ds = make_ds(np.repeat(np.arange(3), 10))  # 10 samples per class
-    cfg = PartitionConfig(name="nway_kshot", n_way=3, k_shot=6)
+    ds = make_ds(np.repeat(np.arange(3), 10))  # 10 samples per class, 2 of them set aside for testing
+    cfg = PartitionConfig(name="nway_kshot", n_way=3, k_shot=6, test_shots=2)
     with pytest.warns(UserWarning, match="ran out of unused samples"):
         p = make_partition(ds, cfg, num_clients=3, seed=0)
-    assert (p.label_counts() == 6).all()
-    for c in p.clients:  # shared across clients, never repeated within one
+    assert (p.label_counts("train") == 6).all() and (p.label_counts("test") == 2).all()
+    trained = np.concatenate([c.train_idx for c in p.clients])
+    for c in p.clients:  # shared across clients, never repeated within one; no test sample is trained on
         idx = np.concatenate([c.train_idx, c.test_idx])
         assert len(np.unique(idx)) == len(idx)
+        assert not np.intersect1d(c.test_idx, trained).size
 
 
 def test_nway_kshot_rejects_n_way_above_class_count(ds):
@@ -226,8 +229,10 @@ def digest(p: Partition) -> str:
 
 # Digests of partitions made by the code before holdouts and by_domain existed (commit
 # 666959c): calls with only the old arguments must keep giving exactly these partitions.
+# nway_kshot's changed on purpose in issue 24 (item 5): its k shots all train and its test sets
+# are drawn apart (data.partition.test_shots), so its digest is that of the new split.
 PINNED = {"iid": "4919845111e5a842", "dirichlet": "aa25adadc13da3d2", "pathological": "1c805aa4e8d7cfce",
-          "nway_kshot": "567f5450154adfa5", "natural": "5bbbdb7c622feaec"}
+          "nway_kshot": "843a3ec6d7b83563", "natural": "5bbbdb7c622feaec"}
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
@@ -431,9 +436,9 @@ def test_unlabelled_pools_are_of_the_clients_classes_disjoint_and_balanced(ds, t
     p = make_partition(ds, base.model_copy(update={"unlabelled_per_client": 30}), num_clients=6, seed=2)
     held = all_indices(p)
     pools = [c.unlabelled_idx for c in p.clients]
-    for a, b in zip(plain.clients, p.clients, strict=True):  # train/test untouched: the pool has its own stream
-        assert np.array_equal(a.train_idx, b.train_idx) and np.array_equal(a.test_idx, b.test_idx)
-        assert len(a.unlabelled_idx) == 0
+    for a, b in zip(plain.clients, p.clients, strict=True):  # train untouched: the pool has its own stream
+        assert np.array_equal(a.train_idx, b.train_idx) and len(b.test_idx) == len(a.test_idx)
+        assert len(a.unlabelled_idx) == 0  # (nway_kshot's test sets are drawn after the pools, around them)
     everything = np.concatenate(pools)
     assert len(np.unique(everything)) == len(everything) == 6 * 30  # no sample in two pools
     assert not np.intersect1d(everything, held).size  # nor held by any client
@@ -449,8 +454,9 @@ def test_unlabelled_pools_are_of_the_clients_classes_disjoint_and_balanced(ds, t
 
 
 def test_unlabelled_pool_runs_short_with_a_warning():
-    ds = make_ds(np.repeat(np.arange(2), 10))  # 10 per class; 2 clients x 2 classes x 4 shots leave 2 per class
-    cfg = PartitionConfig(name="nway_kshot", n_way=2, k_shot=4, unlabelled_per_client=3)
+    # 10 per class: 2 set aside for testing, and 2 clients x 2 classes x 3 shots leave 2 per class
+    ds = make_ds(np.repeat(np.arange(2), 10))
+    cfg = PartitionConfig(name="nway_kshot", n_way=2, k_shot=3, test_shots=2, unlabelled_per_client=3)
     with pytest.warns(UserWarning, match="unlabelled_per_client"):
         p = make_partition(ds, cfg, num_clients=2, seed=0)
     assert sorted(len(c.unlabelled_idx) for c in p.clients) == [1, 3]  # 4 free samples, first come first served
