@@ -443,6 +443,20 @@ class SystemModel:
                 best = starts[i]
         return best
 
+    def max_update_starts(self) -> float:
+        """At most how many local updates can ever start (``inf`` unless CSV windows list every
+        client): a client's next update starts after its previous one's compute time at the
+        earliest, so a window [s, e) holds at most ceil((e - s) / compute_s) starts."""
+        if self.availability != "csv" or len(self.windows) < self.num_clients:
+            return math.inf
+        total = 0
+        for c, ws in self.windows.items():
+            d = float(self.compute_s[c])
+            if d <= 0:
+                return math.inf
+            total += sum(math.ceil((e - s) / d) for s, e in ws if e > s)
+        return float(total)
+
     # ------------------------------------------------------------------ summary
 
     def describe(self) -> dict[str, float]:

@@ -83,11 +83,38 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _allowed_global_names() -> set[str]:
+    return {f"{g.__module__}.{g.__qualname__}" for g in _safe_globals()}
+
+
+def _refuse_code(path: Path, names: list[str]) -> CheckpointError:
+    return CheckpointError(
+        f"refused {path}: it holds {', '.join(sorted(names)[:5])}, which is code or a class a rayfed-proto "
+        "checkpoint never holds (only tensors, numpy arrays, plain containers and this project's messages), so "
+        "someone or something other than rayfed-proto wrote it; nothing from it was run. Use an older checkpoint "
+        "(delete this version's folder) or start the run afresh")
+
+
+def unsafe_globals(path: Path) -> list[str]:
+    """The globals ``path``'s pickle names beyond what a checkpoint may hold, read without
+    loading anything (``torch.serialization.get_unsafe_globals_in_checkpoint``)."""
+    try:
+        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # not a torch zip file at all: _load says what is wrong
+        log.debug("cannot scan %s: %s", path, e)
+        return []
+    allowed = _allowed_global_names()
+    return [g for g in found if g not in allowed]
+
+
 def _load(path: Path) -> Any:
     # weights_only: a checkpoint on shared storage must not be able to run code when loaded
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, garbage, or an object type a checkpoint never holds
+        code = unsafe_globals(path)
+        if code:
+            raise _refuse_code(path, code) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"cannot load {path}: {first} (expected a checkpoint file written by rayfed-proto: "
                               "tensors, numpy arrays and plain containers)") from None
@@ -157,6 +184,16 @@ class Checkpoint:
     def driver_state(self) -> dict[str, Any]:
         return _load(self.path / "driver.pt")
 
+    def check_loadable(self) -> None:
+        """Before anything starts (a resume): every file of the checkpoint names only globals a
+        checkpoint may hold (scanned, not loaded), and the small ones (server, driver) load."""
+        for f in sorted(self.path.rglob("*.pt")):
+            code = unsafe_globals(f)
+            if code:
+                raise _refuse_code(f, code)
+        self.server_state()
+        self.driver_state()
+
 
 class CheckpointStore:
     """Checkpoints in a local folder, or at a URI (``s3://bucket/prefix``, ``gs://``, ``file://``; any
@@ -215,8 +252,16 @@ class CheckpointStore:
         os.replace(tmp, final)
         if self.remote is not None:
             self._upload(final)
+            shutil.rmtree(final, ignore_errors=True)  # the remote copy is the checkpoint; latest() fetches it again
+            return final
         self._prune()
         return final
+
+    def release_cache(self) -> None:
+        """A remote store's local staging folder (in the temp folder) removed at the end of a run:
+        the checkpoints live at the remote location; a local store keeps everything."""
+        if self.remote is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     def _upload(self, final: Path) -> None:
         self.remote.upload_dir(final, final.name, last=MANIFEST)

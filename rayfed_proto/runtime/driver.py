@@ -7,6 +7,7 @@ output folder) is checked before Ray starts.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -53,8 +54,10 @@ def resume_point(cfg: ExperimentConfig, out: Path, store):
     there is nothing to resume; decided before Ray starts.
 
     A finished run is continued only when ``federation.rounds`` was raised above its final
-    version (from the checkpoint written at its end). A damaged newest checkpoint is skipped for
-    an older complete one (``CheckpointStore.latest``). A folder whose driver died before its
+    version, from the checkpoint written at its end; when that one is damaged or missing, from
+    the newest usable older one, redoing the versions after it (``CheckpointStore.latest``
+    skips a damaged checkpoint). Every file of the checkpoint is scanned for code before
+    anything starts (``Checkpoint.check_loadable``). A folder whose driver died before its
     first checkpoint has its MLflow run, left RUNNING, marked FAILED."""
     from rayfed_proto.runtime import runfolder
     from rayfed_proto.runtime.checkpoint import CheckpointError
@@ -73,10 +76,14 @@ def resume_point(cfg: ExperimentConfig, out: Path, store):
         marked = _fail_orphaned_mlflow_run(out, "the driver ended before its first checkpoint; nothing to resume")
         raise InputError(f"no complete checkpoint under {store.dir}: the driver ended before its first checkpoint, so "
                          f"there is nothing to resume{marked}. Start the run afresh: rayfed-proto run {out / 'config.yaml'}")
-    if done is not None and ckpt.version < done:
-        raise InputError(f"run {out} finished at version {done} but its newest usable checkpoint is version {ckpt.version}; "
-                         f"continuing from it would redo versions {ckpt.version + 1}..{done}. Start a new run with "
-                         f"federation.rounds={rounds} instead")
+    try:  # scanned (and the small parts loaded) now: a refused checkpoint leaves the run's MLflow status alone
+        ckpt.check_loadable()
+    except CheckpointError as e:
+        raise InputError(str(e)) from None
+    if done is not None and ckpt.version < done:  # the final checkpoint is damaged or was never written
+        log.warning("run %s finished at version %d, but its newest usable checkpoint is version %d: continuing from "
+                    "it redoes versions %d..%d (MLflow keeps the earlier points, tagged superseded_steps)",
+                    out, done, ckpt.version, ckpt.version + 1, done)
     if ckpt.version >= rounds:
         raise InputError(f"the checkpoint {ckpt.path} is at version {ckpt.version} and federation.rounds={rounds}: nothing "
                          f"left to run. Raise federation.rounds above {ckpt.version} (--set federation.rounds=N)")
@@ -221,6 +228,7 @@ def _run_experiment(cfg: ExperimentConfig, *, folder_locks, progress: bool = Tru
             run.bar.close()
         run.tracker.end(status)
         _release_actors(run)
+        run.store.release_cache()  # a remote checkpoint store's staging copy in the temp folder
 
 
 def _release_actors(run: _Run) -> None:
@@ -235,15 +243,18 @@ def _release_actors(run: _Run) -> None:
 
 
 def _prepare(run: _Run, folder_locks, resume_dir) -> None:
-    """Everything that can refuse the run does so before anything is written: the dataset, the
-    tracking store, the cluster's resources, the partition, then the output folders. The worker
-    processes start (import torch) while the driver partitions."""
+    """Everything that can refuse the run does so before Ray starts or anything is written: the
+    checkpoint to resume, the dataset, the partition, the simulated clients' availability, the
+    output and checkpoint folders; then, with Ray, the tracking store and the cluster's resources
+    (a refusal there removes the fresh, still empty output folder). The run's files are written
+    once the worker processes are starting."""
     from rayfed_proto.data import Partition
     from rayfed_proto.data.datasets import dataset_warnings
-    from rayfed_proto.runtime import runfolder
 
     cfg = run.cfg
     if resume_dir is not None:
+        from rayfed_proto.runtime import runfolder
+
         run.out = Path(resume_dir).resolve()
         folder_locks.enter_context(runfolder.RunFolderLock(run.out))  # first: a second driver is refused at once
         run.store = checkpoint_store(cfg, run.out)
@@ -255,45 +266,86 @@ def _prepare(run: _Run, folder_locks, resume_dir) -> None:
         raise InputError(str(e)) from e
     for warning in dataset_warnings(dataset):
         log.warning(warning)
-    run.tracker = make_tracker(cfg.tracking)
-    import ray
-
-    from rayfed_proto.runtime.fleet import ActorFleet
-    from rayfed_proto.runtime.resources import plan_resources
-
-    ensure_ray(cfg)
-    from rayfed_proto.runtime.autoscale import capacity  # plan against the cluster that will exist (autoscaling)
-
-    total = capacity(cfg.resources).totals()
-    run.plan = plan_resources(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0))
-    run.fleet = ActorFleet(cfg.to_dict(), run.plan, cfg.federation, name=f"{uuid.uuid4().hex[:8]}", cluster=total)
+    if run.partition is None:
+        run.partition = _partition(cfg, dataset)
+    run.shape = (dataset.num_classes, dataset.channels, dataset.image_size)
+    run.class_names = list(dataset.class_names)
+    system = _system_model(cfg, run.partition, *run.shape)
+    _check_availability(cfg, system, run.ckpt.version if run.ckpt is not None else 0)
+    if run.ckpt is None:
+        _new_output_folder(run, folder_locks)
     try:
-        run.fleet.start_workers()  # their processes start while the driver partitions
-        if run.partition is None:
-            run.partition = _partition(cfg, dataset)
-        if run.ckpt is None:
-            _new_output_folder(run, folder_locks)
-        run.fleet.store = run.store
+        _start_ray_and_workers(run)
+    except BaseException:
+        if run.ckpt is None:  # refused before its files were written: leave nothing behind
+            shutil.rmtree(run.out, ignore_errors=True)
+        raise
+    try:
+        _hand_out(run, dataset, system)
     except BaseException:
         run.fleet.shutdown()
         raise
-    run.shape = (dataset.num_classes, dataset.channels, dataset.image_size)
-    run.class_names = list(dataset.class_names)
-    run.fleet.data_ref = ray.put(dataset)  # once: every actor maps these arrays (zero-copy), none loads them
+
+
+def _hand_out(run: _Run, dataset, system) -> None:
+    """The new run's files; the data into the object store; clients grouped onto the workers;
+    the federation policy; the checkpoint's driver state and history when resuming."""
+    import ray
+
+    from rayfed_proto.runtime.policies import make_policy
     from rayfed_proto.runtime.resources import assign_clients
     from rayfed_proto.tracking.run_logging import RunLogging
 
+    cfg, fed = run.cfg, run.cfg.federation
+    if run.ckpt is None:
+        _write_run_files(run)
+    run.fleet.data_ref = ray.put(dataset)  # once: every actor maps these arrays (zero-copy), none loads them
     run.run_log = RunLogging(cfg, run.tracker, dataset, run.partition)  # datasets, input example, per-client series
-    fed = cfg.federation
     run.groups = assign_clients(fed.num_clients, run.plan.clients_per_actor, num_actors=run.plan.num_actors,
                                 work=[float(len(s.train_idx)) for s in run.partition.clients])
-    from rayfed_proto.runtime.policies import make_policy
-
-    run.policy = make_policy(fed, _system_model(cfg, run.partition, *run.shape), seed=cfg.seed,
-                             real_slots=run.plan.concurrency)
+    run.policy = make_policy(fed, system, seed=cfg.seed, real_slots=run.plan.concurrency)
     run.fleet.assign(run.groups, run.partition, *run.shape, run.policy.needs)
     run.driver_state = run.ckpt.driver_state() if run.ckpt is not None else {}
     run.history = names.upgrade_history(run.driver_state.get("history", []))  # a checkpoint of 0.1.x: flat keys, renamed once
+
+
+def _start_ray_and_workers(run: _Run) -> None:
+    """The tracking store, Ray, the resource plan (which can still refuse the run) and the
+    worker processes, which start (import torch) while the driver writes the run's files."""
+    from rayfed_proto.runtime.autoscale import capacity  # plan against the cluster that will exist (autoscaling)
+    from rayfed_proto.runtime.fleet import ActorFleet
+    from rayfed_proto.runtime.resources import plan_resources
+
+    cfg = run.cfg
+    run.tracker = make_tracker(cfg.tracking)
+    ensure_ray(cfg)
+    total = capacity(cfg.resources).totals()
+    run.plan = plan_resources(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0))
+    run.fleet = ActorFleet(cfg.to_dict(), run.plan, cfg.federation, name=f"{uuid.uuid4().hex[:8]}", cluster=total)
+    run.fleet.store = run.store
+    try:
+        run.fleet.start_workers()
+    except BaseException:
+        run.fleet.shutdown()
+        raise
+
+
+def _check_availability(cfg: ExperimentConfig, system, start_version: int = 0) -> None:
+    """Availability windows (``system.availability: csv``) that cannot hold the updates the run
+    needs: refused before Ray starts. A sound bound, not a simulation: each version needs at
+    least ``policies.min_update_starts`` local updates to start inside some window, and a client
+    starts at most one per ``compute_s`` of window (``SystemModel.max_update_starts``)."""
+    if system is None:
+        return
+    from rayfed_proto.runtime.policies import min_update_starts
+
+    need, most = min_update_starts(cfg.federation, start_version), system.max_update_starts()
+    if most < need:
+        raise InputError(
+            f"system.availability: the windows in {cfg.system.availability.path} let at most {most:g} local updates "
+            f"start (a client starts at most one per its simulated compute time inside its windows), but reaching "
+            f"federation.rounds={cfg.federation.rounds} needs at least {need}; extend the windows or lower "
+            "federation.rounds")
 
 
 def _partition(cfg: ExperimentConfig, dataset):
@@ -307,7 +359,8 @@ def _partition(cfg: ExperimentConfig, dataset):
 
 
 def _new_output_folder(run: _Run, folder_locks) -> None:
-    """Only once the data is known to be usable: a refused run leaves nothing."""
+    """The run's folder, created, checked writable (with the checkpoint store) and locked; only
+    once the data and partition are known to be usable, and before Ray starts."""
     from rayfed_proto.runtime import runfolder
 
     run.out = out = _output_dir(run.cfg)
@@ -315,9 +368,16 @@ def _new_output_folder(run: _Run, folder_locks) -> None:
     try:
         run.store.check_writable()
     except PermissionError:
-        out.rmdir()
+        shutil.rmtree(out, ignore_errors=True)
         raise
     folder_locks.enter_context(runfolder.RunFolderLock(out))
+
+
+def _write_run_files(run: _Run) -> None:
+    """A new run's config and partition, written once nothing can refuse it any more."""
+    from rayfed_proto.runtime import runfolder
+
+    out = run.out
     for line in runfolder.settle_orphaned_runs(out.parent):  # runs left RUNNING by drivers that are gone
         run.echo(line)
     (out / "config.yaml").write_text(run.cfg.to_yaml())
@@ -329,9 +389,11 @@ def _track(run: _Run) -> None:
     from rayfed_proto.runtime import runfolder
 
     cfg, tracker, ckpt = run.cfg, run.tracker, run.ckpt
+    driver = runfolder.driver_tags(run.out)  # host, pid, start time: a later start can tell when this driver is gone
     try:
         if ckpt is not None:
-            run.run_id = tracker.resume(ckpt.manifest["run_id"]) if ckpt.manifest.get("run_id") else tracker.start(cfg.flat())
+            run.run_id = (tracker.resume(ckpt.manifest["run_id"], tags=driver) if ckpt.manifest.get("run_id")
+                          else tracker.start(cfg.flat(), tags=driver))
             run.echo(f"resuming from {ckpt.path} (version {ckpt.version})")
             # logged by the earlier driver after the checkpoint (and the checkpoint's own version when its
             # history lacks it): evaluated again now
@@ -342,14 +404,19 @@ def _track(run: _Run) -> None:
                          "keeps both points (the later is valid; tag superseded_steps); history.parquet holds only the "
                          "valid ones")
             runfolder.clear_finished(run.out)  # continued: it is not finished until it finishes again
+            for line in runfolder.settle_orphaned_store_runs(tracker.uri, exclude={run.run_id}):  # any folder
+                run.echo(line)
             return
         num_classes, channels, image_size = run.shape
         params = cfg.flat()
         params.update({"derived.num_classes": num_classes, "derived.channels": channels, "derived.image_size": image_size,
                        **{f"plan.{k}": v for k, v in run.plan.as_dict().items()}})  # resource plan: params, not metrics
         run.run_id = tracker.start(params, tags={"algorithm": cfg.algorithm.name, "dataset": cfg.data.name,
-                                                 "mode": cfg.federation.mode, "model_group": cfg.model.group})
+                                                 "mode": cfg.federation.mode, "model_group": cfg.model.group, **driver})
         runfolder.write_run_info(run.out, run.run_id, tracker.uri)  # before any checkpoint: a resume can name the run
+        # after the folder pass (_write_run_files): runs left RUNNING by gone drivers of this host, in any folder
+        for line in runfolder.settle_orphaned_store_runs(tracker.uri, exclude={run.run_id}):
+            run.echo(line)
     except BaseException:
         run.fleet.shutdown()
         raise
@@ -425,7 +492,7 @@ def _make_scheduler(run: _Run, on_eval, on_version):
     limits = Limits(
         rounds=fed.rounds, eval_every=fed.eval_every, real_slots=run.plan.concurrency, checkpoint_every=cfg.checkpoint.every,
         max_client_failures=cfg.reliability.max_client_failures, max_server_failures=cfg.reliability.max_server_failures,
-        drain_timeout_s=cfg.reliability.drain_timeout_s, stop_at_version=cfg.faults.stop_at_version,
+        drain_timeout_s=cfg.reliability.drain_timeout_s, stop_at_version=_stop_at(cfg, run.start_version),
         start_version=run.start_version, evaluate_start=not any(h["version"] == run.start_version for h in run.history))
     hooks = Hooks(on_eval=handle_eval, on_version=handle_version, on_checkpoint=write_checkpoint,
                   restart_client_actor=restart_worker, restart_server=lambda: fleet.restart_server(run.echo))
@@ -435,6 +502,13 @@ def _make_scheduler(run: _Run, on_eval, on_version):
     if "scheduler" in run.driver_state:
         scheduler.load_state_dict(run.driver_state["scheduler"])
     return scheduler
+
+
+def _stop_at(cfg: ExperimentConfig, start_version: int) -> Optional[int]:
+    """``faults.stop_at_version``, unless a resume already starts at or after it: the stop it
+    asked for has happened (the run's config.yaml keeps the key, so a resume would stop again)."""
+    stop = cfg.faults.stop_at_version
+    return stop if stop is not None and stop > start_version else None
 
 
 def _bar_postfix(metrics: dict[str, Any]) -> dict[str, str]:

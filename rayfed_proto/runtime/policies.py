@@ -130,6 +130,14 @@ def min_real_slots(federation, virtual_clock: bool) -> Optional[int]:
     return federation.buffer_size if federation.mode == "async" and not virtual_clock else None
 
 
+def min_update_starts(federation, start_version: int = 0) -> int:
+    """The fewest local updates that must start for the run to go from ``start_version`` to
+    ``federation.rounds``: a sync round dispatches at least one, an asynchronous version
+    aggregates ``buffer_size`` accepted updates (the availability check before Ray starts)."""
+    per_version = federation.buffer_size if federation.mode == "async" else 1
+    return max(0, federation.rounds - start_version) * per_version
+
+
 class _Policy:
     """Defaults shared by the policies (each overrides what it does differently)."""
 

@@ -10,6 +10,11 @@
   run it left behind.
 * ``finished.json``: written when the run finished (the final version and when); resuming a
   finished run does nothing unless ``federation.rounds`` is raised.
+
+The MLflow run carries its driver's identity (:func:`driver_tags`: host, pid, the process's start
+time, pid namespace, output folder), rewritten by each driver that resumes it, so that a later
+start anywhere on the same host can tell that the driver of a run left RUNNING is gone
+(:func:`settle_orphaned_store_runs`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Optional
 
@@ -26,6 +32,14 @@ from rayfed_proto.config import InputError
 LOCK = ".lock"
 RUN_INFO = "run.json"
 FINISHED = "finished.json"
+
+# MLflow tags naming the driver of a run (set when the run starts or is resumed)
+DRIVER_HOST = "rayfed_proto.driver_host"  # socket.gethostname()
+DRIVER_PID = "rayfed_proto.driver_pid"
+DRIVER_STARTED = "rayfed_proto.driver_started"  # the process's start time (unix s): a reused pid is told apart
+DRIVER_PID_NS = "rayfed_proto.driver_pid_ns"  # containers sharing a host name have pid spaces of their own
+OUTPUT_DIR = "rayfed_proto.output_dir"
+_START_TOLERANCE_S = 1.0  # the kernel's start times, as psutil reads them, can differ by rounding
 
 
 class RunFolderBusy(InputError):
@@ -145,12 +159,95 @@ def clear_finished(folder: Path) -> None:
     (folder / FINISHED).unlink(missing_ok=True)
 
 
+def driver_tags(folder: str | Path) -> dict[str, str]:
+    """The tags that name this process as the driver of the MLflow run of the output folder
+    ``folder`` (see the module doc); a tag whose value cannot be known is left out."""
+    tags = {DRIVER_HOST: socket.gethostname(), DRIVER_PID: str(os.getpid()), OUTPUT_DIR: str(Path(folder).resolve())}
+    started = _process_start(os.getpid())
+    if started is not None:
+        tags[DRIVER_STARTED] = f"{started:.3f}"
+    ns = _pid_namespace()
+    if ns:
+        tags[DRIVER_PID_NS] = ns
+    return tags
+
+
+def _process_start(pid: int) -> Optional[float]:
+    try:
+        import psutil
+
+        return psutil.Process(pid).create_time()
+    except Exception:  # no psutil, no such process, not readable
+        return None
+
+
+def _pid_namespace() -> Optional[str]:
+    try:
+        return os.readlink("/proc/self/ns/pid")  # e.g. "pid:[4026531836]"
+    except OSError:  # not Linux
+        return None
+
+
+def _driver_gone(pid: int, started: Optional[float]) -> bool:
+    """True when no process ``pid`` exists on this host, or the one that does is a zombie or
+    started at another time than ``started`` (the pid was reused). False whenever it cannot be
+    told (another user's process whose details are hidden, no psutil): a live run is never
+    settled on a guess."""
+    try:
+        os.kill(pid, 0)
+        ours = True
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # exists, another user's
+        ours = False
+    except (OSError, OverflowError, ValueError):
+        return False
+    try:
+        import psutil
+    except ImportError:
+        return False
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return True
+        return started is not None and abs(proc.create_time() - started) > _START_TOLERANCE_S
+    except psutil.ZombieProcess:
+        return True
+    except psutil.NoSuchProcess:
+        return ours  # ours: it ended since; another user's: hidden from us (hidepid), cannot be told
+    except Exception:
+        return False
+
+
+def _settle(client, run_id: str, folder: Optional[Path], settled: list[str]) -> None:
+    """End the RUNNING run ``run_id`` of a driver that is gone: KILLED with ``stopped`` and
+    ``resume_from`` when ``folder`` holds a checkpoint, FAILED with ``failure_reason`` otherwise."""
+    resumable = folder is not None and any((p / "manifest.json").is_file() for p in (folder / "checkpoints").glob("v*"))
+    if resumable:
+        client.set_tag(run_id, "stopped", "the driver ended without stopping the run (seen at a later start)")
+        client.set_tag(run_id, "resume_from", str(folder))
+        client.set_terminated(run_id, "KILLED")
+        settled.append(f"MLflow run {run_id} of {folder} was left RUNNING by a driver that is gone: marked KILLED; "
+                       f"resume with: rayfed-proto run --resume {folder}")
+    elif folder is None or folder.is_dir():
+        client.set_tag(run_id, "failure_reason", "the driver ended before its first checkpoint")
+        client.set_terminated(run_id, "FAILED")
+        settled.append(f"MLflow run {run_id}{f' of {folder}' if folder else ''} was left RUNNING by a driver that ended "
+                       "before its first checkpoint: marked FAILED")
+    else:
+        client.set_tag(run_id, "failure_reason", f"the driver ended; its output folder {folder} is gone")
+        client.set_terminated(run_id, "FAILED")
+        settled.append(f"MLflow run {run_id} was left RUNNING by a driver that is gone, and its output folder {folder} "
+                       "no longer exists: marked FAILED")
+
+
 def settle_orphaned_runs(root: Path) -> list[str]:
     """Run folders under ``root`` whose driver is gone (nobody holds the lock), that did not
     finish, and whose MLflow run is still RUNNING (a SIGKILLed driver, a lost machine): the run is
     marked KILLED with the tags ``stopped`` and ``resume_from`` when a checkpoint exists (it can
-    be resumed), FAILED with ``failure_reason`` otherwise. Called when a new run starts, so that
-    nothing stays RUNNING after an exit the platform can observe. Returns one line per run settled."""
+    be resumed), FAILED with ``failure_reason`` otherwise. Called when a new run starts, before
+    :func:`settle_orphaned_store_runs`; this pass also settles runs of versions that did not tag
+    their driver. Returns one line per run settled."""
     import logging
 
     log = logging.getLogger("rayfed_proto")
@@ -168,18 +265,74 @@ def settle_orphaned_runs(root: Path) -> list[str]:
             client = MlflowClient(uri)
             if client.get_run(run_id).info.status != "RUNNING":
                 continue
-            resumable = any((p / "manifest.json").is_file() for p in (folder / "checkpoints").glob("v*"))
-            if resumable:
-                client.set_tag(run_id, "stopped", "the driver ended without stopping the run (seen at a later start)")
-                client.set_tag(run_id, "resume_from", str(folder))
-                client.set_terminated(run_id, "KILLED")
-                settled.append(f"MLflow run {run_id} of {folder} was left RUNNING by a driver that is gone: marked KILLED; "
-                               f"resume with: rayfed-proto run --resume {folder}")
-            else:
-                client.set_tag(run_id, "failure_reason", "the driver ended before its first checkpoint")
-                client.set_terminated(run_id, "FAILED")
-                settled.append(f"MLflow run {run_id} of {folder} was left RUNNING by a driver that ended before its first "
-                               "checkpoint: marked FAILED")
+            _settle(client, run_id, folder, settled)
         except Exception as e:  # never let bookkeeping of old runs stop a new one
             log.warning("could not check the MLflow run of %s: %s", folder, e)
+    return settled
+
+
+def settle_orphaned_store_runs(tracking_uri: Optional[str], exclude: Iterable[str] = ()) -> list[str]:
+    """Every RUNNING run of the MLflow store ``tracking_uri``, whatever its output folder, whose
+    driver tags (:func:`driver_tags`) name this host (and pid namespace) and a process that no
+    longer exists or is another one (its pid reused): marked KILLED with ``stopped`` and
+    ``resume_from`` when its folder holds a checkpoint, FAILED with ``failure_reason`` otherwise.
+    Called when a run starts or resumes. Left alone: runs of other hosts (whether their driver
+    lives cannot be told from here), runs without driver tags (see :func:`settle_orphaned_runs`),
+    the runs in ``exclude`` (the current one), runs whose folder is locked or finished. One search
+    per 100 experiments; returns one line per run settled and never raises (a warning instead)."""
+    import logging
+
+    log = logging.getLogger("rayfed_proto")
+    settled: list[str] = []
+    if not tracking_uri:
+        return settled
+    exclude, host = set(exclude), socket.gethostname()
+    try:
+        from mlflow.entities import ViewType
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri)
+        experiments, token = [], None
+        while True:
+            page = client.search_experiments(view_type=ViewType.ACTIVE_ONLY, page_token=token)
+            experiments += [e.experiment_id for e in page]
+            token = page.token
+            if not token:
+                break
+        query = f"attributes.status = 'RUNNING' and tags.`{DRIVER_HOST}` = '{host}'"
+        runs = []
+        for i in range(0, len(experiments), 100):  # one search per 100 experiments (and per 1000 runs found)
+            token = None
+            while True:
+                page = client.search_runs(experiments[i : i + 100], filter_string=query, page_token=token)
+                runs += list(page)
+                token = page.token
+                if not token:
+                    break
+    except Exception as e:  # never let bookkeeping of old runs stop a new one
+        log.warning("could not look for runs left RUNNING in the MLflow store %s: %s", tracking_uri, e)
+        return settled
+    ns = _pid_namespace()
+    for run in runs:
+        run_id, tags = run.info.run_id, run.data.tags
+        if run_id in exclude or tags.get(DRIVER_HOST) != host:
+            continue
+        if ns and tags.get(DRIVER_PID_NS) and tags[DRIVER_PID_NS] != ns:
+            continue  # another container with this host name: its processes are not visible from here
+        try:
+            pid = int(tags[DRIVER_PID])
+            started = float(tags[DRIVER_STARTED]) if tags.get(DRIVER_STARTED) else None
+            if pid <= 0 or not _driver_gone(pid, started):
+                continue
+            folder = Path(tags[OUTPUT_DIR]) if tags.get(OUTPUT_DIR) else None
+            if folder is not None and (is_locked(folder) or finished_version(folder) is not None):
+                continue  # a driver holds the folder (one that does not tag its runs), or the run finished
+            fresh = client.get_run(run_id)  # the run may have been resumed (tags rewritten) since the search
+            if fresh.info.status != "RUNNING" or any(fresh.data.tags.get(k) != tags.get(k)
+                                                     for k in (DRIVER_HOST, DRIVER_PID, DRIVER_STARTED)):
+                continue
+            _settle(client, run_id, folder, settled)
+        except Exception as e:
+            log.warning("could not check MLflow run %s (left RUNNING by pid %s on %s): %s", run_id,
+                        tags.get(DRIVER_PID, "?"), host, e)
     return settled

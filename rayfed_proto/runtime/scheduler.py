@@ -36,6 +36,7 @@ from ray.exceptions import RayActorError
 from rayfed_proto.runtime.evaluations import Evaluations
 from rayfed_proto.runtime.policies import FederationPolicy, Pending
 from rayfed_proto.runtime.recovery import Recovery, StopRequested
+from rayfed_proto.runtime.simclock import NoClientOnline
 
 __all__ = ["Hooks", "Limits", "Scheduler", "SchedulerStats", "StopRequested"]
 
@@ -177,6 +178,15 @@ class Scheduler:
         Raises :class:`StopRequested` after a requested stop (checkpoint written when possible)."""
         if self.limits.evaluate_start:
             self.evals.formed(self.version, self.global_ref, lambda: self._counters(self.version), force=True)
+        try:
+            self._loop()
+        except NoClientOnline:
+            self._wind_down()  # the versions formed so far are still evaluated: the failed run keeps them
+            raise
+        self._finish_in_flight()
+        return self.version
+
+    def _loop(self) -> None:
         while self._work_left():
             if self.evaluate_first:
                 self.evals.start_ready(self._launch_eval)
@@ -206,8 +216,23 @@ class Scheduler:
             if ready:
                 p = self.inflight.pop(ready[0])
                 p.handler(ready[0], p)
-        self._finish_in_flight()
-        return self.version
+
+    def _wind_down(self, timeout_s: float = 120.0) -> None:
+        """No client can ever be online again: let the evaluations of the versions already formed
+        run and be logged (no new local update starts), so that the failed run's history holds them."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.evals.start_ready(self._launch_eval)
+            waiting = [r for r, p in self.inflight.items() if p.kind in ("eval", "receipt", "step")]
+            if not waiting:
+                return
+            ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
+            if ready:
+                p = self.inflight.pop(ready[0])
+                try:
+                    p.handler(ready[0], p)
+                except NoClientOnline:  # a handler that tried to dispatch again: nothing more will start
+                    pass
 
     def _work_left(self) -> bool:
         # receipts too: one for an earlier version may still be due for evaluation after the last

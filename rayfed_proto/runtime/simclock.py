@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from rayfed_proto.runtime.progress import NoProgressError
+
 
 @dataclass
 class SimEntry:
@@ -41,6 +43,14 @@ class SimEntry:
 
     def key(self) -> tuple[float, int]:
         return (self.finish, self.seq)
+
+
+class NoClientOnline(NoProgressError):
+    """The availability windows ended before the run's last version: the run stops FAILED with
+    the reason, its counters and its history, as every run that cannot make progress."""
+
+    def __init__(self, message: str):
+        super().__init__(message, version=-1)  # the driver records the scheduler's version
 
 
 class VirtualClock:
@@ -60,9 +70,9 @@ class VirtualClock:
         """Nobody is online and nothing is in flight: move the clock to when someone may be."""
         t = self.system.next_online_time(candidates, self.now)
         if t is None:
-            raise RuntimeError(f"no client can be online after simulated time {self.now:.1f} s (the availability "
-                               "windows of system.availability end before the run's last version); extend the "
-                               "windows or lower federation.rounds")
+            raise NoClientOnline(f"no client can be online after simulated time {self.now:.1f} s (the availability "
+                                 "windows of system.availability end before the run's last version); extend the "
+                                 "windows or lower federation.rounds")
         self.now = max(self.now, float(t))
 
     # ------------------------------------------------------------------ updates

@@ -83,13 +83,20 @@ class MlflowTracker:
             mlflow.log_params(dict(items[i : i + 100]))
         return self.run_id
 
-    def resume(self, run_id: str) -> str:
-        """Continue an existing run (``run --resume``): same run id, metrics go on at later steps."""
+    def resume(self, run_id: str, tags: Optional[dict[str, str]] = None) -> str:
+        """Continue an existing run (``run --resume``): same run id, metrics go on at later steps.
+        ``tags`` (the new driver's identity) are set before the run is RUNNING again, so that it
+        is never RUNNING under the tags of the driver that died."""
         try:
             self.mlflow.get_run(run_id)
         except Exception as e:  # deleted run, or another tracking store
             raise FileNotFoundError(f"MLflow run {run_id} not found at {self.uri} ({e}); resume with the same "
                                     "tracking.tracking_uri as the interrupted run") from None
+        if tags:
+            from mlflow.entities import RunTag
+            from mlflow.tracking import MlflowClient
+
+            MlflowClient(self.uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         run = self.mlflow.start_run(run_id=run_id, log_system_metrics=self.system_metrics)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         return self.run_id
@@ -213,7 +220,7 @@ class NullTracker:
     def start(self, params, tags=None, nested=False):
         return None
 
-    def resume(self, run_id):
+    def resume(self, run_id, tags=None):
         return None
 
     def note_superseded_steps(self, after, key=EVAL_HEAD_ACC):

@@ -57,7 +57,8 @@ def test_a_finished_run_is_not_rerun_but_can_be_extended_and_its_stop_tags_go(ra
     with pytest.raises(RunInterrupted) as stopped:
         run_experiment(build_config({}, common + ["faults.stop_at_version=1"]), **QUIET)
     out = stopped.value.output_dir
-    done = run_experiment(build_config({}, common), resume_dir=out, **QUIET)
+    # resumed with the config as the folder stored it: the stop it asked for happened, it does not fire again
+    done = run_experiment(build_config({}, common + ["faults.stop_at_version=1"]), resume_dir=out, **QUIET)
     client = MlflowClient(uri)
     tags = client.get_run(done.run_id).data.tags
     assert "stopped" not in tags and "resume_from" not in tags  # it finished: those no longer hold
@@ -72,6 +73,49 @@ def test_a_finished_run_is_not_rerun_but_can_be_extended_and_its_stop_tags_go(ra
     assert more.run_id == done.run_id and more.final_version == 3
     assert [s for s, _ in _points(client, done.run_id, names.EVAL_HEAD_ACC)] == [0, 1, 2, 3]
     assert client.get_run(done.run_id).info.status == "FINISHED"
+
+    # a crafted newest checkpoint is refused before anything starts: the FINISHED run stays FINISHED
+    import hashlib
+    import json
+
+    import torch
+
+    store = checkpoint_store(build_config({}, common), out)
+    final = store.latest()
+    assert final.version == 3
+    server_pt = final.path / "server.pt"
+    saved = server_pt.read_bytes()
+    torch.save({"core": _RunsCode(str(out / "pwned"))}, server_pt)
+    manifest = json.loads((final.path / "manifest.json").read_text())
+    data = server_pt.read_bytes()
+    manifest["files"]["server.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (final.path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(InputError, match="server.pt") as refused:
+        run_experiment(build_config({}, common[:-2] + ["federation.rounds=4", "checkpoint.every=1"]), resume_dir=out, **QUIET)
+    assert "weights_only" not in str(refused.value) and not (out / "pwned").exists()
+    assert client.get_run(done.run_id).info.status == "FINISHED" and "failure_reason" not in client.get_run(done.run_id).data.tags
+
+    # the final checkpoint lost (damaged): extended from the older one, the versions after it redone
+    server_pt.write_bytes(saved[: len(saved) // 2])
+    said = []
+    longer = run_experiment(build_config({}, common[:-2] + ["federation.rounds=4", "checkpoint.every=1"]), resume_dir=out,
+                            progress=False, echo=said.append)
+    assert longer.final_version == 4 and any("version 2" in s for s in said if s.startswith("resuming from"))
+    assert client.get_run(done.run_id).data.tags["superseded_steps"] == "3"
+    assert [s for s, _ in _points(client, done.run_id, names.EVAL_HEAD_ACC)] == [0, 1, 2, 3, 3, 4]
+    assert client.get_run(done.run_id).info.status == "FINISHED"
+
+
+class _RunsCode:
+    """An object whose unpickling would run code (what a hostile checkpoint would hold)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import pathlib
+
+        return (pathlib.Path.touch, (pathlib.Path(self.marker),))
 
 
 def test_resume_falls_back_to_the_older_checkpoint_when_the_newest_is_damaged(ray_session, tracking):

@@ -99,3 +99,25 @@ def test_sync_rounds_with_a_virtual_clock_last_as_long_as_their_slowest_client(r
     logged = MlflowClient(uri).get_run(timed.run_id).data.metrics
     assert logged[names.FEDERATION_TIME_TO_TARGET_SIM_S] == first[sim]
     assert "time to 20.00% head accuracy" in timed.summary
+
+
+def test_availability_windows_that_end_early_fail_the_run_cleanly(ray_session, tracking, tmp_path):
+    """Every client online only at time 0: 4 updates start (concurrency 4), 2 versions form, then
+    nobody can be online again. The bound checked before Ray (8 clients x 1 start >= 3 versions x 2)
+    lets it start; the run then stops FAILED with the reason, its counters and its history."""
+    import pandas as pd
+
+    from rayfed_proto.runtime.progress import NoProgressError
+
+    uri, track = tracking
+    windows = tmp_path / "online.csv"
+    windows.write_text("client_id,start_s,end_s\n" + "".join(f"{c},0,1e-9\n" for c in range(8)))
+    cfg = build_config({}, VIRTUAL + track + ["system.availability.kind=csv", f"system.availability.path={windows}",
+                                               "federation.rounds=3", "checkpoint.every=0"])
+    with pytest.raises(NoProgressError, match="no client can be online"):
+        run_experiment(cfg, **QUIET)
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
+    assert run.info.status == "FAILED" and "no client can be online" in run.data.tags["failure_reason"]
+    (out,) = (tmp_path / "runs").iterdir()
+    assert list(pd.read_parquet(out / "history.parquet")["version"]) == [0, 1, 2]  # every version formed, evaluated

@@ -165,8 +165,35 @@ def test_a_checkpoint_cannot_run_code_when_loaded(tmp_path):
     data = (path / "server.pt").read_bytes()
     manifest["files"]["server.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointError, match="server.pt"):
+    with pytest.raises(CheckpointError, match="server.pt") as refused:
         store.latest().server_state()
+    assert not marker.exists()
+    # worded for this project: what it holds, that nothing ran, what to do; never torch's advice
+    # to load it with weights_only=False
+    msg = str(refused.value)
+    assert "pathlib" in msg and "nothing from it was run" in msg and "weights_only" not in msg
+    with pytest.raises(CheckpointError, match="server.pt"):  # the scan before a resume starts anything
+        store.latest().check_loadable()
+    assert not marker.exists()
+
+
+def test_a_crafted_client_file_is_found_by_the_scan_without_loading_it(tmp_path):
+    import hashlib
+    import json
+
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+
+    store = CheckpointStore(tmp_path)
+    path = _save(store, 2)
+    store.latest().check_loadable()  # a real checkpoint passes
+    marker = tmp_path / "pwned"
+    torch.save({"w": _RunsCode(str(marker))}, path / "clients" / "1.pt")
+    manifest = json.loads((path / "manifest.json").read_text())
+    data = (path / "clients" / "1.pt").read_bytes()
+    manifest["files"]["clients/1.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=r"clients/1\.pt"):
+        store.latest().check_loadable()
     assert not marker.exists()
 
 
@@ -196,6 +223,7 @@ def test_real_server_and_client_states_load_with_weights_only(tmp_path):
     assert w == 0.5 and ck.server_state()["core"]["m"][1][0] == 0.2
     assert ck.client_state(0)["optimizer"]["state"][0]["momentum_buffer"].shape == (2, 3)
     assert ck.driver_state()["scheduler"]["rng"]["bit_generator"] == "PCG64"
+    ck.check_loadable()  # everything a real checkpoint holds passes the scan
 
 
 def test_a_checkpoint_written_before_checksums_still_loads(tmp_path):

@@ -422,3 +422,56 @@ def test_runs_left_running_by_dead_drivers_are_settled_at_the_next_start(tmp_pat
     assert status == {"with_checkpoint": "KILLED", "without_checkpoint": "FAILED", "alive": "RUNNING", "finished": "RUNNING"}
     assert client.get_run(runs["with_checkpoint"]).data.tags["resume_from"] == str(tmp_path / "runs" / "with_checkpoint")
     assert len(lines) == 2 and any("--resume" in line for line in lines)
+
+
+# ------------------------------------------------------------------ refused before Ray starts (issue 25, items 3 and 7)
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    """Fails the test if the driver gets as far as starting Ray."""
+    from rayfed_proto.runtime import driver
+
+    def started(cfg):
+        raise AssertionError("Ray was started before the run was refused")
+
+    monkeypatch.setattr(driver, "ensure_ray", started)
+
+
+def _small(tmp_path, *extra):
+    return build_config({}, ["data.name=digits", "federation.num_clients=4", "federation.rounds=2", "federation.eval_every=1",
+                             f"tracking.output_dir={tmp_path / 'runs'}", "tracking.tracking_uri=", *extra])
+
+
+def test_an_infeasible_partition_is_refused_before_ray_and_leaves_no_folder(tmp_path, no_ray):
+    from rayfed_proto.config import InputError
+    from rayfed_proto.runtime.driver import run_experiment
+
+    cfg = _small(tmp_path, "data.partition.name=nway_kshot", "data.partition.n_way=11")
+    with pytest.raises(InputError, match="n_way"):
+        run_experiment(cfg, progress=False, echo=lambda s: None)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_an_unwritable_checkpoint_folder_is_refused_before_ray(tmp_path, no_ray):
+    from rayfed_proto.runtime.driver import run_experiment
+
+    blocked = tmp_path / "file"
+    blocked.write_text("a file where the checkpoint folder should be")
+    with pytest.raises(PermissionError, match="cannot write checkpoints"):
+        run_experiment(_small(tmp_path, f"checkpoint.dir={blocked / 'ckpt'}", "checkpoint.every=1"),
+                       progress=False, echo=lambda s: None)
+    assert not any((tmp_path / "runs").iterdir())  # the fresh output folder is gone again
+
+
+def test_availability_windows_too_short_for_the_run_are_refused_before_ray(tmp_path, no_ray):
+    from rayfed_proto.config import InputError
+    from rayfed_proto.runtime.driver import run_experiment
+
+    windows = tmp_path / "online.csv"
+    windows.write_text("client_id,start_s,end_s\n" + "".join(f"{c},0,1e-9\n" for c in range(4)))
+    cfg = _small(tmp_path, "federation.mode=async", "federation.buffer_size=2", "federation.concurrency=2",
+                 "federation.rounds=3", "system.availability.kind=csv", f"system.availability.path={windows}")
+    # each window is shorter than any update: 4 clients x 1 start < 3 versions x 2 updates
+    with pytest.raises(InputError, match=r"system.availability: .* at most 4 local updates .* needs at least 6"):
+        run_experiment(cfg, progress=False, echo=lambda s: None)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

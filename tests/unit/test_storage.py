@@ -76,6 +76,19 @@ def test_checkpoints_in_an_object_store_resume_on_another_node():
     assert not str(ck.path).startswith("mem:")
 
 
+def test_a_remote_store_leaves_no_copy_in_the_temp_folder(tmp_path):
+    uri = (tmp_path / "shared" / "ckpt").as_uri()  # file://: a mounted shared folder
+    store = CheckpointStore(uri, keep=2)
+    store.check_writable()
+    _save(store, 2, marker=2.0)
+    cache = storage.cache_dir(uri)
+    assert not any(cache.glob("v*"))  # uploaded, not kept beside the remote copy
+    assert store.latest().version == 2  # fetched again when needed (a restart, a resume)
+    store.release_cache()  # the end of the run
+    assert not cache.exists()
+    assert sorted(p.name for p in (tmp_path / "shared" / "ckpt").iterdir()) == ["v000002"]
+
+
 def test_a_damaged_or_half_uploaded_remote_checkpoint_is_never_used(caplog):
     fs = pafs._MockFileSystem()
     uri = "mem://bucket/ck"

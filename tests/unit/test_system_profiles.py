@@ -275,3 +275,21 @@ def test_empty_system_mapping_turns_the_model_on_with_defaults():
 def test_bad_system_values_are_refused_naming_the_key(raw, key, words):
     issues, text = issues_of({"system": raw})
     assert key in issues and words in issues[key].allowed, text
+
+
+def test_max_update_starts_bounds_the_updates_the_windows_hold():
+    from types import SimpleNamespace
+
+    from rayfed_proto.runtime.policies import min_update_starts
+
+    # compute_s = 10 samples x 1 epoch x 0.1 s / speed: 1.0 s (client 0), 2.0 s (client 1)
+    windows = {0: [(0.0, 2.5), (10.0, 11.0)], 1: [(0.0, 4.0), (5.0, 5.0)]}
+    m = SystemModel([1.0, 0.5], ["cnn", "cnn"], {"cnn": 0.1}, [10, 10], 1, availability="csv", windows=windows)
+    # client 0: ceil(2.5 / 1) + ceil(1 / 1) = 4; client 1: ceil(4 / 2) = 2 and the empty window 0
+    assert m.max_update_starts() == 6.0
+    partly = SystemModel([1.0, 0.5], ["cnn", "cnn"], {"cnn": 0.1}, [10, 10], 1, availability="csv", windows={0: windows[0]})
+    assert partly.max_update_starts() == math.inf  # client 1 has no window: always online
+    assert SystemModel([1.0], ["cnn"], {"cnn": 0.1}, [10], 1).max_update_starts() == math.inf
+    fed = SimpleNamespace(mode="async", buffer_size=5, rounds=10)
+    assert min_update_starts(fed) == 50 and min_update_starts(fed, start_version=8) == 10
+    assert min_update_starts(SimpleNamespace(mode="sync", buffer_size=5, rounds=10)) == 10
