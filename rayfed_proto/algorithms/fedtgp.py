@@ -14,6 +14,14 @@ latest upload, each staleness-weighted, and the margin is taken over all the cla
 hold, instead of ``server_epochs`` epochs on the K updates of one buffer and a margin over
 their classes only. In sync mode the default stays ``buffer`` (FedTGP's round: the uploads of
 the sampled clients); with full participation both are the same.
+
+Which model the uploaded prototypes come from (``prototype_model``): ``trained`` (default) is the
+paper's client, whose prototypes are those of the model after its local training. The authors'
+code (``TsingZ0/FedTGP`` and ``TsingZ0/HtFLlib``, ``system/flcore/clients/clienttgp.py``,
+``clientTGP.train`` then ``collect_protos``) uploads the prototypes of the model as it was before
+this round's local training: ``collect_protos`` reloads the model file that the previous
+``train()`` saved (the file is rewritten only after ``collect_protos`` returns), i.e. the weights
+this round's training started from. ``before_training`` reproduces that, for replication.
 """
 
 from __future__ import annotations
@@ -28,8 +36,9 @@ from pydantic import Field
 from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer
-from rayfed_proto.algorithms.common import aggregate_prototypes, safe_cdist
+from rayfed_proto.algorithms.common import aggregate_prototypes, local_prototypes, safe_cdist
 from rayfed_proto.algorithms.fedproto import PrototypeAlignmentClient
+from rayfed_proto.messages import ClientUpdate, PrototypeSet
 
 
 class FedTGPOptions(PrototypeOptions):
@@ -41,6 +50,19 @@ class FedTGPOptions(PrototypeOptions):
     server_lr: float = Field(0.01, gt=0, description="generator SGD learning rate")
     server_batch_size: int = Field(10, ge=1, description="generator mini-batch of (prototype, class) pairs")
     hidden_dim: int = Field(0, ge=0, description="generator hidden width (0: feature_dim)")
+    # "before_training" follows the authors' code (TsingZ0/FedTGP, HtFLlib clienttgp.py:
+    # clientTGP.collect_protos reloads the model saved before this round's train()); the default
+    # "trained" is the paper's (prototypes of the locally trained model)
+    prototype_model: Literal["trained", "before_training"] = Field(
+        "trained", description="model the uploaded prototypes are computed with: after this update's local training "
+        "(paper, default) or as it was before it (the authors' clienttgp.py collect_protos), for replication")
+
+    def run_issues(self, rounds: int) -> list[tuple[str, Any, str]]:
+        if self.prototype_model == "before_training" and self.prototype_source == "train":
+            return [("prototype_model", self.prototype_model,
+                     "'trained' with prototype_source 'train' (the training passes are those of the model being "
+                     "trained); 'before_training' needs prototype_source 'eval' (an eval-mode pass, as collect_protos)")]
+        return []
 
 
 class PrototypeGenerator(torch.nn.Module):
@@ -153,9 +175,33 @@ class FedTGPServer(PrototypeServer):
         self.shuffle.set_state(torch.as_tensor(state["shuffle"]))
 
 
+class FedTGPClient(PrototypeAlignmentClient):
+    """FedProto's local loss; the upload comes from the trained model (paper) or, with
+    ``prototype_model: before_training``, from the model before this update's training (authors' code)."""
+
+    options: FedTGPOptions
+
+    def local_train(self, model, optimizer, batches, epochs, device):
+        self._before_training: PrototypeSet | None = None
+        if self.options.prototype_model == "before_training":
+            # TsingZ0/FedTGP, HtFLlib system/flcore/clients/clienttgp.py, clientTGP.collect_protos: class
+            # means of the features over the training split, eval mode, no gradients, with the model the
+            # previous train() saved, i.e. the weights this update starts from. Taken here, before the
+            # first step (the eval pass draws no random numbers: the training that follows is unchanged)
+            self._before_training = local_prototypes(model, batches.x, batches.y)
+        return super().local_train(model, optimizer, batches, epochs, device)
+
+    def make_update(self, model, x, y) -> ClientUpdate:
+        protos, self._before_training = getattr(self, "_before_training", None), None
+        if protos is None:
+            return super().make_update(model, x, y)  # prototypes of the trained model (paper)
+        self._train_protos = None
+        return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y), prototypes=protos)
+
+
 @ALGORITHMS.register("fedtgp", help="FedTGP: server-trained prototype generator with adaptive margin")
 class FedTGP(Algorithm):
     Options = FedTGPOptions
-    Client = PrototypeAlignmentClient
+    Client = FedTGPClient
     Server = FedTGPServer
     async_config_defaults = {"algorithm.aggregation_scope": "latest"}
