@@ -35,4 +35,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check rayfed_proto tests bench
 
 clean:
-	rm -rf $(VENV) runs mlflow.db .pytest_cache
+	rm -rf $(VENV) runs mlflow.db mlflow.db.lock .pytest_cache

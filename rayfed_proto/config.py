@@ -81,11 +81,31 @@ class PartitionConfig(_Section):
         "holds, labels hidden (FedSAP's semi-supervised regime, Table 3: 600); 0: none")
 
 
+class HFDataConfig(_Section):
+    """``data.name: hf``: a Hugging Face ``datasets`` dataset (see rayfed_proto.data.datasets.load_hf)."""
+
+    hub_name: Optional[str] = Field(
+        None, description="a dataset on the Hugging Face Hub, fetched with datasets.load_dataset into "
+        "<data.root>/huggingface (needs data.download: true); None: data.path, a folder written by save_to_disk")
+    image_column: str = Field("image", min_length=1, description="column of the images: an Image feature or numeric arrays")
+    label_column: str = Field("label", min_length=1, description="column of the labels: ClassLabel, integers or strings "
+                              "(strings become class ids in sorted order)")
+    client_column: Optional[str] = Field(
+        None, min_length=1, description="column naming each sample's client (e.g. a writer id): the natural partition; "
+        "None: no client ids")
+    train_split: Optional[str] = Field(None, min_length=1, description="split of a DatasetDict whose samples train; "
+                                       "None: 'train', or the only split")
+    test_split: Optional[str] = Field(None, min_length=1, description="split of a DatasetDict whose samples test "
+                                      "(the is_train column); None: 'test' when there is one, else no fixed split")
+    merge_splits: bool = Field(False, description="merge the train and test splits without a fixed split (the "
+                               "per-client split applies, as for the torchvision sets)")
+
+
 class DataConfig(_Section):
     name: str = "digits"
     root: str = "./data"
     download: bool = False
-    path: Optional[str] = Field(None, description="npz file or image folder for name=npz/folder")
+    path: Optional[str] = Field(None, description="npz file, image folder or save_to_disk folder for name=npz/folder/hf")
     image_size: int = Field(32, ge=4, le=512, description="images are resized to this side")
     # synthetic only
     num_samples: int = Field(2000, ge=1, description="synthetic: number of images")
@@ -101,6 +121,7 @@ class DataConfig(_Section):
     public_size: Optional[int] = Field(
         None, ge=0, description="samples held out as the public unlabelled proxy set; None: the algorithm's default")
     partition: PartitionConfig = PartitionConfig()
+    hf: HFDataConfig = HFDataConfig()
 
 
 class ModelConfig(_Section):

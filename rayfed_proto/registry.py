@@ -3,6 +3,10 @@
 A registry is how new pieces plug in: a module registers itself with a decorator and the
 config validator, the CLI's ``list`` and the runtime look names up here, never importing a
 concrete implementation by name.
+
+Other packages plug in through entry points (:func:`load_plugins`): the registry's package
+imports every module of its group (``rayfed_proto.algorithms``, ``rayfed_proto.datasets``,
+``rayfed_proto.models``) once its built-ins are registered, and each module registers itself.
 """
 
 from __future__ import annotations
@@ -61,3 +65,35 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+PLUGIN_GROUPS = ("rayfed_proto.algorithms", "rayfed_proto.datasets", "rayfed_proto.models")
+"""The entry-point groups whose modules register algorithms, dataset loaders, and
+architectures / model groups."""
+
+
+def load_plugins(group: str, kind: str) -> list[str]:
+    """Import every module declared as an entry point of ``group``; return the names of those loaded.
+
+    Each module registers its pieces when imported. Entry points come from the metadata of the
+    installed distributions (``importlib.metadata``), so every process that imports the
+    registry's package sees them, Ray actors included, which a registration in a user's script
+    is not. A plug-in that fails to import, or registers a name already taken, is reported with
+    a warning naming it (``kind``: what the group holds, for the message) and skipped: the
+    built-ins and the other plug-ins stay usable.
+    """
+    import warnings
+    from importlib.metadata import entry_points
+
+    if group not in PLUGIN_GROUPS:
+        raise ValueError(f"plug-in group {group!r}: one of {', '.join(PLUGIN_GROUPS)}")
+    loaded = []
+    for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
+        try:
+            ep.load()
+        except Exception as e:  # a broken plug-in must not take the built-ins down with it
+            warnings.warn(f"rayfed_proto: {kind} plug-in {ep.name!r} ({ep.value}, entry point group {group}) failed "
+                          f"to load and is skipped: {e!r}", stacklevel=2)
+        else:
+            loaded.append(ep.name)
+    return loaded

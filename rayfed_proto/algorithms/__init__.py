@@ -1,9 +1,8 @@
 """Federated methods. Each is plain PyTorch (no Ray) and registers itself in ``ALGORITHMS``."""
 
-from rayfed_proto.registry import Registry
+from rayfed_proto.registry import Registry, load_plugins
 
 ALGORITHMS: Registry = Registry("algorithm")
-
 
 
 def _load_builtin() -> None:
@@ -20,16 +19,10 @@ def _load_builtin() -> None:
 
 def _load_plugins() -> None:
     """Methods from other packages: an entry point in group ``rayfed_proto.algorithms`` whose
-    module registers itself on import. Entry points are seen by every process that imports
-    this package, Ray actors included, which a registration in a user's script is not."""
-    import warnings
-    from importlib.metadata import entry_points
+    module registers itself on import (``registry.load_plugins``; a broken one warns and is skipped)."""
+    load_plugins("rayfed_proto.algorithms", "algorithm")
 
-    for ep in entry_points(group="rayfed_proto.algorithms"):
-        try:
-            ep.load()
-        except Exception as e:  # a broken plug-in must not take the built-in methods down with it
-            warnings.warn(f"rayfed_proto: algorithm plug-in {ep.name!r} ({ep.value}) failed to load: {e!r}", stacklevel=2)
+
 from rayfed_proto.algorithms.base import (  # noqa: E402
     Algorithm,
     ClientAlgorithm,

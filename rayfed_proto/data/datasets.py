@@ -12,10 +12,13 @@ of side ``cfg.image_size`` so that every client model sees one input shape, what
   train and the test sets are drawn apart; see ``partition.make_partition``).
 * ``npz`` and ``folder``: users' own data, optionally carrying a natural client partition
   (``client_ids``) and a fixed train/test split (``is_train``).
+* ``hf``: a Hugging Face ``datasets`` dataset (a ``save_to_disk`` folder or a Hub name), with
+  configurable image, label and client columns and splits; needs the optional ``datasets``
+  package (``pip install 'rayfed_proto[hf]'``).
 * multi-domain sets (``digits_domains``, ``multidigits``, ``office_caltech10``, ``pacs``) are
   in ``domains.py``; they fill ``ArrayDataset.domains``.
 
-torch, torchvision, PIL and scikit-learn are imported inside the functions that use them:
+torch, torchvision, PIL, scikit-learn and ``datasets`` are imported inside the functions that use them:
 ``rayfed_proto.data`` is imported with the package (it registers the config check of
 ``data.name``), by config validation and the CLI, which must stay quick.
 """
@@ -24,15 +27,23 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
-from rayfed_proto.config import ConfigIssue, DataConfig, ExperimentConfig, register_check, unknown_name_issues
+from rayfed_proto.config import (
+    ConfigIssue,
+    DataConfig,
+    ExperimentConfig,
+    InputError,
+    register_check,
+    unknown_name_issues,
+)
 from rayfed_proto.data import DATASETS
 from rayfed_proto.data.base import ArrayDataset
 
@@ -254,22 +265,22 @@ def _require_path(cfg: DataConfig) -> Path:
     return Path(cfg.path).expanduser().resolve()
 
 
-def _to_nchw(images: np.ndarray, where: str) -> np.ndarray:
+def _to_nchw(images: np.ndarray, where: str, key: str = "'images'") -> np.ndarray:
     """Bring (N, H, W), (N, H, W, C) or (N, C, H, W) to (N, C, H, W), C in {1, 3}."""
     if images.ndim == 3:
         return images[:, None]
     if images.ndim != 4:
-        raise ValueError(f"{where}: 'images' must be (N, H, W), (N, H, W, C) or (N, C, H, W); got shape {images.shape}")
+        raise ValueError(f"{where}: {key} must be (N, H, W), (N, H, W, C) or (N, C, H, W); got shape {images.shape}")
     _, d1, d2, d3 = images.shape
     # a trailing 1/3 is the channel axis unless dims 1, 2 cannot be H, W and dim 1 can be C
     if d3 in (1, 3) and (d1 == d2 or d1 not in (1, 3)):
         return images.transpose(0, 3, 1, 2)
     if d1 in (1, 3):
         return images
-    raise ValueError(f"{where}: cannot find a channel axis of size 1 or 3 in 'images' of shape {images.shape}")
+    raise ValueError(f"{where}: cannot find a channel axis of size 1 or 3 in {key} of shape {images.shape}")
 
 
-def _to_unit_range(images: np.ndarray, where: str) -> np.ndarray:
+def _to_unit_range(images: np.ndarray, where: str, key: str = "'images'") -> np.ndarray:
     """uint8 stays uint8; other integers must be 0..255; floats above 1 are taken as 0..255."""
     if images.dtype == np.uint8:
         return images
@@ -277,18 +288,18 @@ def _to_unit_range(images: np.ndarray, where: str) -> np.ndarray:
         bad = ~np.isfinite(images)
         if bad.any():  # NaN compares False both ways: the range checks below would let it through
             first = int(np.argmax(bad.reshape(len(images), -1).any(axis=1)))
-            raise ValueError(f"{where}: 'images' contain NaN/inf: {int(bad.sum())} values in "
+            raise ValueError(f"{where}: {key} contain NaN/inf: {int(bad.sum())} values in "
                              f"{int(bad.reshape(len(images), -1).any(axis=1).sum())} images, the first at index {first}; "
                              "every pixel must be a finite number (uint8 0..255, or floats in [0, 1] or [0, 255])")
     lo, hi = float(images.min()), float(images.max())
     if np.issubdtype(images.dtype, np.integer):
         if lo < 0 or hi > 255:
-            raise ValueError(f"{where}: integer 'images' must be in 0..255, found {lo:g}..{hi:g}")
+            raise ValueError(f"{where}: integer {key} must be in 0..255, found {lo:g}..{hi:g}")
         return images.astype(np.uint8)
     if not np.issubdtype(images.dtype, np.floating):
-        raise ValueError(f"{where}: 'images' must be numeric, got dtype {images.dtype}")
+        raise ValueError(f"{where}: {key} must be numeric, got dtype {images.dtype}")
     if lo < 0 or hi > 255:
-        raise ValueError(f"{where}: float 'images' must be in [0, 1] or [0, 255], found {lo:g}..{hi:g}")
+        raise ValueError(f"{where}: float {key} must be in [0, 1] or [0, 255], found {lo:g}..{hi:g}")
     x = images.astype(np.float32)
     return x / 255.0 if hi > 1.0 else x
 
@@ -481,26 +492,42 @@ def _read_index(root: Path, index: Path) -> list[_Record]:
     return records
 
 
-def _decode_images(files: list[Path], size: int) -> np.ndarray:
-    """(N, C, size, size) uint8; C = 1 when every image is grayscale, else RGB."""
+def _decode_images(sources: Sequence[Path | bytes], size: int,
+                   describe: Optional[Callable[[int], str]] = None) -> np.ndarray:
+    """(N, C, size, size) uint8 from image files or encoded images (bytes); C = 1 when every
+    image is grayscale, else RGB. ``describe(i)`` names image i in errors (default: its path)."""
     from PIL import Image
 
+    def open_image(src: Path | bytes):
+        return Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src)
+
     modes = []
-    for f in files:
+    for i, src in enumerate(sources):
         try:
-            with Image.open(f) as im:
+            with open_image(src) as im:  # reads the header only
                 modes.append(im.mode)
         except OSError as err:
-            raise ValueError(f"cannot read image {f}: {err}") from None
+            raise ValueError(f"cannot read image {describe(i) if describe else src}: {err}") from None
     mode = "L" if all(m in _GRAY_MODES for m in modes) else "RGB"
-    out = np.empty((len(files), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
-    for i, f in enumerate(files):
-        with Image.open(f) as im:
+    out = np.empty((len(sources), 1 if mode == "L" else 3, size, size), dtype=np.uint8)
+    for i, src in enumerate(sources):
+        with open_image(src) as im:
             # images can differ in size, so each is resized on its own; PIL's bilinear filter
             # widens its support when shrinking, i.e. it antialiases like the torch path
             arr = np.asarray(im.convert(mode).resize((size, size), Image.Resampling.BILINEAR))
         out[i] = arr[None] if mode == "L" else arr.transpose(2, 0, 1)
     return out
+
+
+def _labels_from_names(values: Sequence[str]) -> tuple[np.ndarray, list[str]]:
+    """Class ids and class names for labels given as text: when every name is an integer it
+    keeps its value (class names ``"0"`` .. max); otherwise the names are sorted and numbered."""
+    names = sorted(set(values))
+    if all(re.fullmatch(r"\d+", name) for name in names):
+        labels = np.array([int(v) for v in values], dtype=np.int64)
+        return labels, [str(c) for c in range(int(labels.max()) + 1)]
+    lookup = {name: i for i, name in enumerate(names)}
+    return np.array([lookup[v] for v in values], dtype=np.int64), names
 
 
 @DATASETS.register("folder", help="an image folder at data.path (<class>/<image>, optional train|test and client_N levels, or index.csv)")
@@ -520,15 +547,8 @@ def load_folder(cfg: DataConfig, seed: int) -> ArrayDataset:
     records = _read_index(root, index) if index.is_file() else _scan_directories(root)
     if not records:
         raise DatasetNotFoundError(f"folder dataset: no images found in {root}; expected {_FOLDER_LAYOUT}")
-    names = sorted({r.label for r in records})
-    if all(re.fullmatch(r"\d+", name) for name in names):
-        # integer labels (index.csv, or numeric class directories) keep their value
-        labels = np.array([int(r.label) for r in records], dtype=np.int64)
-        class_names = [str(c) for c in range(int(labels.max()) + 1)]
-    else:
-        lookup = {name: i for i, name in enumerate(names)}
-        labels = np.array([lookup[r.label] for r in records], dtype=np.int64)
-        class_names = names
+    # integer labels (index.csv, or numeric class directories) keep their value
+    labels, class_names = _labels_from_names([r.label for r in records])
     has_clients = records[0].client_id is not None
     has_split = records[0].is_train is not None
     return ArrayDataset(
@@ -537,3 +557,219 @@ def load_folder(cfg: DataConfig, seed: int) -> ArrayDataset:
         client_ids=np.array([r.client_id for r in records], dtype=np.int64) if has_clients else None,
         is_train=np.array([r.is_train for r in records], dtype=bool) if has_split else None,
     )
+
+
+# --------------------------------------------------------------------------- user data: Hugging Face datasets
+
+_HF_INSTALL = "pip install 'rayfed_proto[hf]' (or pip install 'datasets>=2.14')"
+_HF_SOURCE = ("a folder written by datasets' save_to_disk (data.path) or a dataset on the Hugging Face Hub "
+              "(data.hf.hub_name, with data.download: true)")
+
+
+@register_check("data")
+def hf_source_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """``data.name: hf`` reads exactly one source: ``data.path`` or ``data.hf.hub_name`` (with
+    ``data.download``). Whether ``datasets`` is installed is checked when the data is loaded, by
+    the driver only: actors re-validate the config and never read the data."""
+    data = cfg.data
+    if data.name != "hf":
+        return []
+    hf = data.hf
+    issues = []
+    if data.path and hf.hub_name:
+        issues.append(ConfigIssue(key="data.hf.hub_name", value=hf.hub_name,
+                                  allowed=f"null when data.path is set ({data.path!r}): data.name 'hf' reads one of "
+                                  f"{_HF_SOURCE}"))
+    elif not data.path and not hf.hub_name:
+        issues.append(ConfigIssue(key="data.path", value=None, allowed=f"data.name 'hf' needs {_HF_SOURCE}"))
+    if hf.hub_name and not data.path and not data.download:
+        issues.append(ConfigIssue(key="data.download", value=False,
+                                  allowed=f"true to fetch data.hf.hub_name {hf.hub_name!r} from the Hugging Face Hub "
+                                  "(nothing is downloaded otherwise); offline, save it with save_to_disk on a machine "
+                                  "with network access and set data.path to that folder"))
+    if hf.train_split is not None and hf.train_split == hf.test_split:
+        issues.append(ConfigIssue(key="data.hf.test_split", value=hf.test_split,
+                                  allowed="a split other than data.hf.train_split"))
+    return issues
+
+
+def _import_hf():
+    try:
+        import datasets as hf_datasets
+    except ImportError as e:
+        raise InputError(f"data.name = 'hf' needs the Hugging Face datasets package, which is not installed "
+                         f"({e}); install it with {_HF_INSTALL}") from None
+    return hf_datasets
+
+
+def _open_hf(cfg: DataConfig):
+    """The ``Dataset`` or ``DatasetDict`` that ``cfg`` names, and a name for it in messages."""
+    hf_datasets = _import_hf()
+    hub_name = cfg.hf.hub_name
+    if cfg.path and hub_name:
+        raise ValueError(f"data.hf.hub_name = {hub_name!r} and data.path = {cfg.path!r}: set one, "
+                         f"data.name 'hf' reads {_HF_SOURCE}")
+    if cfg.path:
+        path = _require_path(cfg)
+        if not path.exists():
+            raise DatasetNotFoundError(f"hf dataset: {path} (data.path) does not exist; expected a folder written by "
+                                       "datasets' Dataset.save_to_disk or DatasetDict.save_to_disk")
+        try:
+            return hf_datasets.load_from_disk(str(path)), str(path)
+        except FileNotFoundError as e:  # a folder that save_to_disk did not write
+            raise DatasetNotFoundError(f"hf dataset: {path} (data.path) is not a folder written by datasets' "
+                                       f"save_to_disk (no dataset_info.json or dataset_dict.json): {e}") from None
+    if not hub_name:
+        raise ValueError(f"data.name 'hf' needs {_HF_SOURCE}")
+    if not cfg.download:
+        raise DatasetNotFoundError(f"hf dataset: data.hf.hub_name = {hub_name!r} is fetched from the Hugging Face Hub "
+                                   "only with data.download: true; offline, save it with save_to_disk on a machine "
+                                   "with network access and set data.path to that folder")
+    cache = Path(cfg.root).expanduser().resolve() / "huggingface"
+    try:
+        return hf_datasets.load_dataset(hub_name, cache_dir=str(cache)), hub_name
+    except (OSError, ValueError) as e:  # no network, unknown name (datasets' DatasetNotFoundError is an OSError)
+        raise DatasetNotFoundError(f"hf dataset: cannot load {hub_name!r} (data.hf.hub_name) from the Hugging Face "
+                                   f"Hub into {cache}: {type(e).__name__}: {e}. Fix: check the name and the network, or "
+                                   "save it with save_to_disk where the network is reachable and set data.path to "
+                                   "that folder") from None
+
+
+def _hf_splits(source, cfg: DataConfig, where: str):
+    """``(dataset, is_train)``: the train split, then the test split when there is one
+    (``is_train`` None without a test split, or with ``data.hf.merge_splits``)."""
+    hf_datasets = _import_hf()
+    hf = cfg.hf
+    if not isinstance(source, hf_datasets.DatasetDict):
+        for key in ("train_split", "test_split"):
+            if getattr(hf, key) is not None:
+                raise ValueError(f"{where}: data.hf.{key} = {getattr(hf, key)!r}, but the dataset has no splits "
+                                 "(saved from a Dataset, not a DatasetDict); leave data.hf.train_split and "
+                                 "data.hf.test_split unset")
+        return source, None
+    splits = list(source)
+    listed = ", ".join(splits) or "none"
+    for key in ("train_split", "test_split"):
+        name = getattr(hf, key)
+        if name is not None and name not in source:
+            raise ValueError(f"{where}: data.hf.{key} = {name!r} is not a split of the dataset; splits: {listed}")
+    train = hf.train_split or ("train" if "train" in source else (splits[0] if len(splits) == 1 else None))
+    if train is None:
+        raise ValueError(f"{where}: the dataset has splits {listed} and none is called 'train'; set "
+                         "data.hf.train_split (and data.hf.test_split for a fixed test split)")
+    test = hf.test_split or ("test" if "test" in source and train != "test" else None)
+    if test is None:
+        return source[train], None
+    if train == test:
+        raise ValueError(f"{where}: data.hf.train_split and data.hf.test_split are both {train!r}")
+    try:
+        both = hf_datasets.concatenate_datasets([source[train], source[test]])
+    except ValueError as e:  # different columns or features
+        raise ValueError(f"{where}: splits {train!r} and {test!r} cannot be combined: {e}") from None
+    if hf.merge_splits:
+        return both, None
+    return both, np.arange(len(both)) < len(source[train])
+
+
+def _hf_column(ds, column: str, key: str, where: str) -> list:
+    """The values of ``column`` as a Python list (the other columns, images included, are not decoded)."""
+    if column not in ds.column_names:
+        raise ValueError(f"{where}: no column {column!r} ({key}); columns: {', '.join(ds.column_names)}")
+    values = ds.select_columns([column])[:][column]
+    missing = [i for i, v in enumerate(values) if v is None]
+    if missing:
+        raise ValueError(f"{where}: column {column!r} ({key}) is empty in {len(missing)} rows, the first at row "
+                         f"{missing[0]}")
+    return values
+
+
+def _hf_ids(ds, column: str, key: str, where: str) -> tuple[np.ndarray, Optional[list[str]]]:
+    """``(ids, names)`` of a label-like column: ClassLabel -> its ids and names; integers (or whole
+    floats) -> themselves, names None; strings -> ids in sorted order (``_labels_from_names``)."""
+    hf_datasets = _import_hf()
+    values = _hf_column(ds, column, key, where)
+    feature = ds.features[column]
+    if isinstance(feature, hf_datasets.ClassLabel):
+        return np.asarray(values, dtype=np.int64), list(feature.names)
+    dtype = getattr(feature, "dtype", None) if isinstance(feature, hf_datasets.Value) else None
+    if dtype in ("string", "large_string"):
+        return _labels_from_names([str(v) for v in values])
+    if dtype is None or dtype == "bool":
+        raise ValueError(f"{where}: column {column!r} ({key}) holds {feature}; expected a ClassLabel, integers "
+                         "or strings")
+    return _int_column(np.asarray(values), column, where), None
+
+
+def _hf_images(ds, column: str, size: int, where: str) -> np.ndarray:
+    """(N, C, size, size): an Image feature decoded as the ``folder`` loader does (1 channel when
+    every image is grayscale, each resized on its own), or numeric arrays converted as ``npz`` does."""
+    hf_datasets = _import_hf()
+    key = "data.hf.image_column"
+    if column not in ds.column_names:
+        raise ValueError(f"{where}: no column {column!r} ({key}); columns: {', '.join(ds.column_names)}")
+    feature = ds.features[column]
+    if isinstance(feature, hf_datasets.Image):
+        raw = _hf_column(ds.cast_column(column, hf_datasets.Image(decode=False)), column, key, where)
+        sources: list[Path | bytes] = []
+        for i, v in enumerate(raw):  # {"bytes": encoded image or None, "path": file or None}
+            if v.get("bytes"):
+                sources.append(v["bytes"])
+            elif v.get("path") and Path(v["path"]).is_file():
+                sources.append(Path(v["path"]))
+            else:
+                raise DatasetNotFoundError(f"{where}: row {i} of column {column!r} has neither image bytes nor an "
+                                           f"existing file (path {v.get('path')!r})")
+        return _decode_images(sources, size, describe=lambda i: f"in row {i} of column {column!r} of {where}")
+    arrays = ds.select_columns([column]).with_format("numpy")[:][column]
+    try:
+        images = np.asarray(arrays)
+    except ValueError:  # a list of arrays of different shapes (older datasets versions)
+        images = np.empty(0, dtype=object)
+    if images.dtype == object:
+        raise ValueError(f"{where}: column {column!r} ({key}) holds {feature} of different shapes or non-numeric "
+                         "values; store images of different sizes as an Image feature (datasets.Image), which is "
+                         "resized image by image")
+    if images.dtype.kind not in "biuf":
+        raise ValueError(f"{where}: column {column!r} ({key}) holds {feature}; expected an Image feature "
+                         "(datasets.Image) or numeric arrays of shape (H, W), (H, W, C) or (C, H, W)")
+    name = f"column {column!r} ({key})"
+    return resize_images(_to_unit_range(_to_nchw(images, where, name), where, name), size)
+
+
+@DATASETS.register("hf", help="a Hugging Face datasets dataset: a save_to_disk folder at data.path or data.hf.hub_name")
+def load_hf(cfg: DataConfig, seed: int) -> ArrayDataset:
+    """Load a Hugging Face ``datasets`` dataset; the keys are under ``data.hf``.
+
+    The source is a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``
+    (``data.path``) or, with ``data.download: true``, a Hub dataset (``data.hf.hub_name``). From a
+    ``DatasetDict`` the train split (``train_split``, default ``train`` or the only split) and the
+    test split (``test_split``, default ``test`` when present) are read; the test split becomes
+    ``is_train`` unless ``merge_splits``; other splits are ignored. Labels: a ClassLabel keeps
+    its names; integer labels keep their values; string labels become class ids in sorted order
+    (all-digit names keep their value, as in ``folder``). ``client_column`` (e.g. a writer id,
+    integers or strings) becomes ``client_ids``, the partition of the ``natural`` partitioner.
+    """
+    source, where = _open_hf(cfg)
+    ds, is_train = _hf_splits(source, cfg, where)
+    if len(ds) == 0:
+        raise ValueError(f"{where}: the dataset has no rows")
+    hf = cfg.hf
+    labels, names = _hf_ids(ds, hf.label_column, "data.hf.label_column", where)
+    if labels.min() < 0:
+        first = int(np.argmax(labels < 0))
+        raise ValueError(f"{where}: column {hf.label_column!r} (data.hf.label_column) must hold class ids >= 0, found "
+                         f"{labels[first]} at row {first} (an unlabelled split? choose the splits with "
+                         "data.hf.train_split / data.hf.test_split)")
+    num_classes = int(labels.max()) + 1
+    if names is not None:
+        if num_classes > len(names):
+            raise ValueError(f"{where}: column {hf.label_column!r} has labels up to {num_classes - 1} but only "
+                             f"{len(names)} class names")
+        num_classes = len(names)
+    client_ids = None
+    if hf.client_column is not None:
+        client_ids, _ = _hf_ids(ds, hf.client_column, "data.hf.client_column", where)
+    images = _hf_images(ds, hf.image_column, cfg.image_size, where)
+    name = Path(where).name if cfg.path else where
+    return ArrayDataset(name=name, images=images, labels=labels, num_classes=num_classes, class_names=names or [],
+                        client_ids=client_ids, is_train=is_train)

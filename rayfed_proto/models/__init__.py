@@ -2,13 +2,27 @@
 
 ``ARCHITECTURES``: name -> builder ``(in_channels, image_size, num_classes, feature_dim) -> ProtoModel``.
 ``MODEL_GROUPS``: name -> list of architecture names; client i gets ``archs[i % len(archs)]``.
+
+Importing this package registers the built-ins (``zoo``), then imports every entry point of
+group ``rayfed_proto.models`` (``registry.load_plugins``): a plug-in module registers
+architectures (``register_backbone``) and groups (``MODEL_GROUPS.add``) when imported.
 """
 
-from rayfed_proto.registry import Registry
+from rayfed_proto.registry import Registry, load_plugins
 
 ARCHITECTURES: Registry = Registry("architecture")
 MODEL_GROUPS: Registry = Registry("model group")
 
-from rayfed_proto.models.zoo import ProtoModel, arch_for_client, build_client_model, build_model  # noqa: E402
+from rayfed_proto.models.zoo import (  # noqa: E402
+    ProtoModel,
+    arch_for_client,
+    build_client_model,
+    build_model,
+    register_backbone,
+)
 
-__all__ = ["ARCHITECTURES", "MODEL_GROUPS", "ProtoModel", "build_model", "build_client_model", "arch_for_client"]
+# after the built-ins and the public names above, so plug-ins can import them from here
+load_plugins("rayfed_proto.models", "model")
+
+__all__ = ["ARCHITECTURES", "MODEL_GROUPS", "ProtoModel", "build_model", "build_client_model", "arch_for_client",
+           "register_backbone"]

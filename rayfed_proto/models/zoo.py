@@ -13,6 +13,9 @@ used by the papers' heterogeneous-model experiments.
 
 Groups (``MODEL_GROUPS``) list architecture names; client ``i`` gets ``archs[i % len(archs)]``,
 the assignment rule of HtFLlib that the FedSA and FedTGP experiments use.
+
+Other packages add architectures (with :func:`register_backbone`) and groups through entry
+points in group ``rayfed_proto.models`` (loaded by ``rayfed_proto.models`` after this module).
 """
 
 from __future__ import annotations
@@ -102,8 +105,14 @@ def _output_dim(arch: str, backbone: nn.Module, in_channels: int, image_size: in
     return int(out.shape[1])
 
 
-def _architecture(name: str, help: str) -> Callable[[BackboneFactory], BackboneFactory]:
-    """Register a backbone factory under ``name`` as a ``ProtoModel`` builder."""
+def register_backbone(name: str, help: str) -> Callable[[BackboneFactory], BackboneFactory]:
+    """Decorator: register a backbone factory under ``name`` in ``ARCHITECTURES`` as a ``ProtoModel`` builder.
+
+    The factory is ``(in_channels, image_size) -> nn.Module`` mapping (B, C, H, W) images to flat
+    (B, backbone_dim); the projection to ``feature_dim`` and the head are added here, and
+    ``backbone_dim`` is measured with a dry run. Plug-in packages (entry point group
+    ``rayfed_proto.models``) use it as the built-ins do.
+    """
 
     def decorator(make_backbone: BackboneFactory) -> BackboneFactory:
         def builder(in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
@@ -150,7 +159,7 @@ def _googlenet_init(w: torch.Tensor) -> object:
 # --- the FedSA paper's heterogeneous extractors (HtFE8) ---------------------------------------
 
 
-@_architecture("cnn", help="FedAvg 4-layer CNN (McMahan et al.; HtFLlib FedAvgCNN): 2 conv5x5 + fc 512")
+@register_backbone("cnn", help="FedAvg 4-layer CNN (McMahan et al.; HtFLlib FedAvgCNN): 2 conv5x5 + fc 512")
 def _cnn(in_channels: int, image_size: int) -> nn.Module:
     """HtFLlib's FedAvgCNN without its last layer (``fc``), which is our head.
 
@@ -178,7 +187,7 @@ def _cnn(in_channels: int, image_size: int) -> nn.Module:
     )
 
 
-@_architecture("googlenet", help="torchvision GoogLeNet (Inception v1), untrained, no aux heads; 1024-d")
+@register_backbone("googlenet", help="torchvision GoogLeNet (Inception v1), untrained, no aux heads; 1024-d")
 def _googlenet(in_channels: int, image_size: int) -> nn.Module:
     # Needs images of at least 15x15: below that a max pool receives an empty map.
     # transform_input re-normalises 3 ImageNet channels, wrong for other data and impossible with 1
@@ -192,7 +201,7 @@ def _googlenet(in_channels: int, image_size: int) -> nn.Module:
     return model
 
 
-@_architecture("mobilenet_v2", help="torchvision MobileNetV2, untrained; 1280-d")
+@register_backbone("mobilenet_v2", help="torchvision MobileNetV2, untrained; 1280-d")
 def _mobilenet_v2(in_channels: int, image_size: int) -> nn.Module:
     import torchvision
 
@@ -214,7 +223,7 @@ def _register_resnet(depth: int, width: int) -> None:
         model.fc = nn.Identity()
         return model
 
-    _architecture(f"resnet{depth}", help=f"torchvision ResNet-{depth}, untrained, ImageNet stem; {width}-d")(make)
+    register_backbone(f"resnet{depth}", help=f"torchvision ResNet-{depth}, untrained, ImageNet stem; {width}-d")(make)
 
 
 for _depth, _width in ((18, 512), (34, 512), (50, 2048), (101, 2048), (152, 2048)):
@@ -239,17 +248,17 @@ def _conv3x3_stack(in_channels: int, image_size: int, widths: tuple[int, ...]) -
     return nn.Sequential(*layers, nn.Flatten(), nn.Linear(in_channels * side * side, 128), nn.ReLU(inplace=True))
 
 
-@_architecture("cnn_narrow", help="small CNN: conv3x3 16, 32 (+ maxpools), fc 128")
+@register_backbone("cnn_narrow", help="small CNN: conv3x3 16, 32 (+ maxpools), fc 128")
 def _cnn_narrow(in_channels: int, image_size: int) -> nn.Module:
     return _conv3x3_stack(in_channels, image_size, (16, 32))
 
 
-@_architecture("cnn_deep", help="small CNN: conv3x3 16, 32, 64 (+ maxpools), fc 128")
+@register_backbone("cnn_deep", help="small CNN: conv3x3 16, 32, 64 (+ maxpools), fc 128")
 def _cnn_deep(in_channels: int, image_size: int) -> nn.Module:
     return _conv3x3_stack(in_channels, image_size, (16, 32, 64))
 
 
-@_architecture("mlp", help="MLP on flattened pixels: 256, 128 with ReLU")
+@register_backbone("mlp", help="MLP on flattened pixels: 256, 128 with ReLU")
 def _mlp(in_channels: int, image_size: int) -> nn.Module:
     return nn.Sequential(
         nn.Flatten(),

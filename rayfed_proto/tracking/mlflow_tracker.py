@@ -4,13 +4,23 @@ Tracking URI: ``tracking.tracking_uri`` if set, else ``$MLFLOW_TRACKING_URI``, e
 own default (``sqlite:///mlflow.db`` in the working directory for MLflow 3.x). Relative
 ``sqlite:///`` paths and plain folders are resolved to absolute URIs so that processes started
 elsewhere (Tune trials, Ray workers) write to the same store.
+
+A sqlite store is one file that several processes may write (runs started at once, a sweep's
+server). MLflow waits 20 s for the file's lock, then raises ``database is locked``; a run's writes
+(metrics, params, tags, artifacts, its end) then wait and retry, with a warning, for up to
+``MlflowTracker.busy_retry_s`` (5 minutes, about what MLflow's HTTP client retries a server for),
+instead of failing the run (measured in ``bench/tracking_load.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import random
+import time
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -32,10 +42,46 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
     return uri
 
 
+_BUSY = ("database is locked", "database is busy", "database table is locked")
+
+
+def is_store_busy(error: BaseException | str) -> bool:
+    """A sqlite store whose lock another process held past MLflow's own 20 s wait: transient, worth
+    waiting out. Any other error (a missing table, a refused value, an unreachable server) is not."""
+    text = str(error).lower()
+    return any(s in text for s in _BUSY)
+
+
+class StoreBusyError(RuntimeError):
+    """The MLflow store stayed locked for longer than :attr:`MlflowTracker.busy_retry_s`."""
+
+
+class _DropBusyRecords(logging.Filter):
+    """MLflow logs a lock error itself before raising it (``ERROR mlflow.store.db.utils: SQLAlchemy
+    database error`` with a traceback; the system-metrics thread's ``Failed to get mlflow run:
+    ... database is locked``, after which that thread stops). The tracker retries the first and
+    restarts the thread, and says so in one warning of its own; an error it gives up on is raised."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not is_store_busy(record.getMessage())
+
+
+_BUSY_FILTER = _DropBusyRecords()
+_BUSY_LOGGERS = ("mlflow.store.db.utils", "mlflow.system_metrics.system_metrics_monitor")
+_sleep = time.sleep  # the tests replace these two
+_clock = time.monotonic
+
+
 class MlflowTracker:
+    busy_retry_s = 300.0  # how long a write waits out a locked store, on top of MLflow's 20 s per try
+
     def __init__(self, cfg: TrackingConfig):
         import mlflow
 
+        for name in _BUSY_LOGGERS:
+            logging.getLogger(name).addFilter(_BUSY_FILTER)  # once: a logger keeps one copy of a filter
+        self.retries = 0  # writes retried because the store was locked
+        self.system_metrics_restarts = 0
         self.mlflow = mlflow
         self.uri = resolve_tracking_uri(cfg.tracking_uri)
         if self.uri.startswith("sqlite:///"):
@@ -61,14 +107,64 @@ class MlflowTracker:
 
             set_system_metrics_sampling_interval(cfg.system_metrics_interval_s)
 
+    def _write(self, what: str, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``, retried while the store is locked by another process (backoff
+        1, 2, 4 ... 30 s with jitter, for up to :attr:`busy_retry_s`); any other error at once.
+        A failed try wrote nothing (MLflow's sqlite writes are transactions), so a retry never
+        logs a point twice."""
+        started, attempt = _clock(), 0
+        while True:
+            try:
+                result = fn(*args, **kwargs)
+                break
+            except Exception as e:
+                if not is_store_busy(e):
+                    raise
+                waited = _clock() - started
+                if waited >= self.busy_retry_s:
+                    raise StoreBusyError(
+                        f"the MLflow store {self.uri} stayed locked by another process for {waited:.0f} s ({what} "
+                        f"tried {attempt + 1} times, MLflow waiting 20 s each): free it (a backup, `mlflow gc`, a long "
+                        "query), or log to an MLflow server (mlflow server --backend-store-uri <the store>; "
+                        "tracking.tracking_uri=http://...)") from e
+                attempt += 1
+                self.retries += 1
+                delay = min(30.0, 2.0 ** (attempt - 1)) * (0.5 + random.random())
+                delay = min(delay, max(0.1, self.busy_retry_s - waited))
+                log.warning("MLflow store %s: another process holds its lock (MLflow waited 20 s); %s again in "
+                            "%.0f s (try %d, for up to %.0f s)", self.uri, what, delay, attempt + 1, self.busy_retry_s)
+                _sleep(delay)
+        if attempt:
+            self._revive_system_metrics()
+        return result
+
+    def _revive_system_metrics(self) -> None:
+        """MLflow's system-metrics thread stops for good at its first failed call (a locked store):
+        start it again, same run, next step. Nothing when it runs, or when MLflow has no such thread."""
+        if not self.system_metrics or self.run_id is None:
+            return
+        try:
+            from mlflow.tracking import fluent
+
+            monitor = fluent.run_id_to_system_metrics_monitor.get(self.run_id)
+            thread = getattr(monitor, "_process", None)
+            if thread is not None and not thread.is_alive() and not monitor._shutdown_event.is_set():
+                monitor.start()
+                self.system_metrics_restarts += 1
+                (log.warning if self.system_metrics_restarts == 1 else log.debug)(
+                    "MLflow system metrics of run %s had stopped (the store locked by another process); restarted",
+                    self.run_id)
+        except Exception:  # another MLflow version: its system metrics are its own business
+            pass
+
     def start(self, params: dict[str, Any], tags: Optional[dict[str, str]] = None, nested: bool = False) -> str:
         mlflow = self.mlflow
         try:
-            exp = mlflow.set_experiment(self.experiment_name)
+            exp = self._write("set_experiment", mlflow.set_experiment, self.experiment_name)
         except Exception as e:  # another run created the same experiment a moment ago: it exists now
             if "already exists" not in str(e).lower() and "unique" not in str(e).lower():
                 raise
-            exp = mlflow.set_experiment(self.experiment_name)
+            exp = self._write("set_experiment", mlflow.set_experiment, self.experiment_name)
         self.experiment_id = exp.experiment_id
         tags = {**run_tags(), **dict(tags or {}), SCHEMA_TAG: SCHEMA_VERSION}
         if self.parent_run_id:
@@ -80,7 +176,7 @@ class MlflowTracker:
         # MLflow caps a param value at 6000 characters and a batch at 100 params
         items = [(k, "None" if v is None else str(v)[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            mlflow.log_params(dict(items[i : i + 100]))
+            self._write("log_params", mlflow.log_params, dict(items[i : i + 100]))
         return self.run_id
 
     def resume(self, run_id: str, tags: Optional[dict[str, str]] = None) -> str:
@@ -96,7 +192,7 @@ class MlflowTracker:
             from mlflow.entities import RunTag
             from mlflow.tracking import MlflowClient
 
-            MlflowClient(self.uri).log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+            self._write("set_tags", MlflowClient(self.uri).log_batch, run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         run = self.mlflow.start_run(run_id=run_id, log_system_metrics=self.system_metrics)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
         return self.run_id
@@ -123,8 +219,11 @@ class MlflowTracker:
         clean = {k: float(v) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
         _warn_unnamed(clean)
-        for items in _chunks(list(clean.items()), 1000):  # MLflow's batch limit
-            self.mlflow.log_metrics(dict(items), step=step, model_id=model_id, dataset=dataset)
+        with _no_schema_hint():  # a dataset not logged before (a resumed run) has its schema inferred here
+            for items in _chunks(list(clean.items()), 1000):  # MLflow's batch limit
+                self._write("log_metrics", self.mlflow.log_metrics, dict(items), step=step, model_id=model_id,
+                            dataset=dataset)
+        self._revive_system_metrics()
 
     def log_metric_points(self, points: list[tuple[str, float, int]]) -> None:
         """(key, value, step) logged after the fact (back-filled series), keys as given."""
@@ -137,30 +236,49 @@ class MlflowTracker:
         metrics = [Metric(k, float(v), now, int(s)) for k, v, s in points if math.isfinite(float(v))]
         client = MlflowClient(self.uri)
         for chunk in _chunks(metrics, 1000):
-            client.log_batch(self.run_id, metrics=chunk)
+            self._write("log_metric_points", client.log_batch, self.run_id, metrics=chunk)
 
     def log_table(self, frame, artifact_file: str) -> None:
-        self.mlflow.log_table(data=frame, artifact_file=artifact_file)
+        self._write("log_table", self.mlflow.log_table, data=frame, artifact_file=artifact_file)
 
     def log_inputs(self, datasets: list, contexts: list[str], tags: Optional[list[dict[str, str]]] = None) -> None:
-        self.mlflow.log_inputs(datasets=datasets, contexts=contexts, tags_list=tags)
+        with _no_schema_hint():  # the datasets' schemas are inferred here, on first use
+            self._write("log_inputs", self.mlflow.log_inputs, datasets=datasets, contexts=contexts, tags_list=tags)
 
-    def log_model(self, model, name: str, **kwargs) -> Optional[str]:
-        """``mlflow.pytorch.log_model`` under this run; returns the logged model's id."""
+    def log_model(self, model, name: str, step: int = 0, tags: Optional[dict[str, str]] = None, **kwargs) -> Optional[str]:
+        """``mlflow.pytorch.log_model`` (``kwargs``) as an output of this run at ``step``, with no run metric
+        linked to it; returns the logged model's id.
+
+        Under an active run, MLflow 3's ``log_model(step=s)`` links every metric the run holds at step
+        ``s`` to the new model (system metrics included), and the metrics logged later at ``s`` in this
+        process too: every ``eval/``, ``federation/``... figure of the final version would be the
+        model's. So the logged model is created with this run as its source, written from a thread
+        that has no active run (MLflow's active run is thread-local), and recorded as the run's output
+        at ``step`` here. Metrics that measure the model are linked by ``log_metrics(model_id=...)``."""
+        from concurrent.futures import ThreadPoolExecutor
+
         import mlflow.pytorch
+        from mlflow.entities import LoggedModelOutput
+        from mlflow.tracking import MlflowClient
 
-        info = mlflow.pytorch.log_model(model, name=name, **kwargs)
-        return info.model_id
+        client = MlflowClient(self.uri)
+        params = client.get_run(self.run_id).data.params  # as log_model does: the model carries the run's params
+        logged = self.mlflow.initialize_logged_model(name=name, source_run_id=self.run_id, tags=tags, params=params,
+                                                     experiment_id=self.experiment_id)
+        with ThreadPoolExecutor(1, thread_name_prefix="mlflow-log-model") as pool, _no_pickle_notice():
+            pool.submit(mlflow.pytorch.log_model, model, name=name, model_id=logged.model_id, **kwargs).result()
+        client.log_outputs(self.run_id, [LoggedModelOutput(logged.model_id, step=step)])
+        return logged.model_id
 
     def set_description(self, text: str) -> None:
         """The run's description (the Overview's "Description" box, markdown)."""
-        self.mlflow.set_tag("mlflow.note.content", text)
+        self._write("set_tag", self.mlflow.set_tag, "mlflow.note.content", text)
 
     def log_artifact(self, path: str | Path, artifact_path: Optional[str] = None) -> None:
-        self.mlflow.log_artifact(str(path), artifact_path=artifact_path)
+        self._write("log_artifact", self.mlflow.log_artifact, str(path), artifact_path=artifact_path)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
-        self.mlflow.set_tags({k: str(v) for k, v in tags.items()})
+        self._write("set_tags", self.mlflow.set_tags, {k: str(v) for k, v in tags.items()})
 
     def delete_tags(self, keys) -> None:
         """Remove tags that no longer hold (``stopped`` on a run that was resumed and finished)."""
@@ -170,14 +288,28 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.uri)
-        present = client.get_run(run.info.run_id).data.tags
+        present = self._write("get_run", client.get_run, run.info.run_id).data.tags
         for key in keys:
             if key in present:
-                client.delete_tag(run.info.run_id, key)
+                self._write("delete_tag", client.delete_tag, run.info.run_id, key)
 
     def end(self, status: str = "FINISHED") -> None:
-        if self.mlflow.active_run() is not None:
+        run = self.mlflow.active_run()
+        if run is None:
+            return
+        try:
             self.mlflow.end_run(status=status)
+        except Exception as e:
+            if not is_store_busy(e):
+                raise
+            # end_run took the run off MLflow's stack before its write failed: the run would stay
+            # RUNNING. Write its end here, retried.
+            from mlflow.tracking import MlflowClient
+
+            self.retries += 1
+            log.warning("MLflow store %s: another process holds its lock (MLflow waited 20 s); ending run %s "
+                        "again", self.uri, run.info.run_id)
+            self._write("end_run", MlflowClient(self.uri).set_terminated, run.info.run_id, status=status)
 
 
 def _create_store(uri: str, attempts: int = 6) -> None:
@@ -238,7 +370,7 @@ class NullTracker:
     def log_inputs(self, datasets, contexts, tags=None):
         pass
 
-    def log_model(self, model, name, **kwargs):
+    def log_model(self, model, name, step=0, tags=None, **kwargs):
         return None
 
     def set_description(self, text):
@@ -260,6 +392,34 @@ class NullTracker:
 def _chunks(items: list, n: int):
     for i in range(0, len(items), n):
         yield items[i : i + n]
+
+
+@contextlib.contextmanager
+def _no_schema_hint():
+    """Without MLflow's "Inferred schema contains integer column(s)" hint: the logged datasets'
+    integer columns (sample indices, client ids, labels) never hold a missing value, and no model
+    signature is inferred from them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Hint: Inferred schema contains integer column", category=UserWarning)
+        yield
+
+
+class _DropPickleNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Saving pytorch model by Pickle")
+
+
+@contextlib.contextmanager
+def _no_pickle_notice():
+    """Without ``mlflow.pytorch``'s warning that the pickle format runs code on load: the format is
+    chosen on purpose (tracking/models.py says why), and the docs say to load only trusted models."""
+    notice = _DropPickleNotice()
+    logger = logging.getLogger("mlflow.pytorch")
+    logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(notice)
 
 
 _WARNED: set[str] = set()

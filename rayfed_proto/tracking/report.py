@@ -84,6 +84,22 @@ def _last_finite(*series: np.ndarray) -> int | None:
     return int(ok[-1]) if ok.size else None
 
 
+SERVER_DOMINATES = 0.5  # server/train_s over federation/wall_s from which the summary explains the slot utilisation
+
+
+def _server_share_note(history: History, i: int) -> str:
+    """Beside the slot utilisation of evaluation ``i``: when the server spent at least
+    :data:`SERVER_DOMINATES` of the wall time training (FedTGP's prototype generator), the clients
+    waited on it for much of the run (sync rounds, or backpressure in async mode), and the note says
+    so beside the figure: the low utilisation comes from the method, not from the resource plan.
+    Both figures are run-cumulative."""
+    train, wall = metric_series(history, names.SERVER_TRAIN_S), metric_series(history, names.FEDERATION_WALL_S)
+    if i >= len(train) or not (np.isfinite(train[i]) and np.isfinite(wall[i]) and wall[i] > 0):
+        return ""
+    share = float(train[i] / wall[i])
+    return f" (the server's training took {100.0 * min(share, 1.0):.0f}% of the wall time)" if share >= SERVER_DOMINATES else ""
+
+
 def _accuracy_rows(label: str, acc: np.ndarray, version: np.ndarray) -> list[tuple[str, str]]:
     """``final`` (last finite value) and ``best`` (first occurrence of the maximum) with their versions."""
     ok = np.flatnonzero(np.isfinite(acc))
@@ -127,7 +143,8 @@ def summary_rows(history: History, target_accuracy: float | None = None) -> list
     ``eval/proto_acc``, ``eval/head_acc_mean``/``_std`` (across clients), ``eval/global_acc...``,
     ``server/proto_margin_min``/``_mean``, ``federation/wall_s``, ``federation/sim_time_s``,
     ``federation/bytes_up``/``_down``, ``federation/staleness_mean``/``_max``,
-    ``federation/updates_dropped``/``updates_refused``, ``federation/slot_utilisation``, ``reliability/...``.
+    ``federation/updates_dropped``/``updates_refused``, ``federation/slot_utilisation`` (with
+    ``server/train_s``: :func:`_server_share_note`), ``reliability/...``.
     Accuracies are fractions in [0, 1]. Wall time, bytes, dropped/refused and slot utilisation are
     run-cumulative, so their last value is the run's; staleness is per evaluation window, so the
     table shows the average of the window means and the maximum of the window maxima.
@@ -184,7 +201,7 @@ def summary_rows(history: History, target_accuracy: float | None = None) -> list
     util = metric_series(history, names.FEDERATION_SLOT_UTILISATION)
     i = _last_finite(util)
     if i is not None:
-        rows.append(("slot utilisation", f"{100.0 * util[i]:.1f}%"))
+        rows.append(("slot utilisation", f"{100.0 * util[i]:.1f}%{_server_share_note(history, i)}"))
 
     failures = [(label, metric_series(history, key)) for label, key in (
         ("client actor failures", names.RELIABILITY_CLIENT_FAILURES), ("server restarts", names.RELIABILITY_SERVER_RESTARTS),
