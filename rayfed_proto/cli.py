@@ -89,36 +89,112 @@ def _check_resume_overrides(overrides: list[str] | None) -> None:
         raise ConfigError(issues, "--resume --set")
 
 
+def package_version() -> str:
+    """The installed distribution's version, else ``rayfed_proto.__version__`` (a checkout on sys.path)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rayfed_proto")
+    except PackageNotFoundError:
+        import rayfed_proto
+
+        return rayfed_proto.__version__
+
+
+def browse_hint(tracking_uri: str, run_id: Optional[str] = None) -> str:
+    """How to look at a run: the page to open on a tracking server (``http(s)://``; the UI's
+    ``#/runs/<id>`` route leads to the run's page), else the ``mlflow ui`` command that serves the store."""
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"open {tracking_uri.rstrip('/')}" + (f"/#/runs/{run_id}" if run_id else "")
+    return f"browse with: mlflow ui --backend-store-uri {tracking_uri}"
+
+
 def cmd_run(args) -> int:
+    from rayfed_proto.runtime import seeds as seed_groups
     from rayfed_proto.runtime.driver import run_experiment
 
+    progress = not args.no_progress
     if args.resume:
         if args.config is not None:
             raise ConfigError([ConfigIssue(key="<config>", value=args.config,
                                            allowed="omit it with --resume: the run's own config.yaml is used")])
+        if seed_groups.is_group(args.resume):
+            if args.seeds is not None:
+                raise ConfigError([ConfigIssue(key="--seeds", value=args.seeds, allowed=(
+                    "omit it with --resume of a seed group: the group's seeds.json lists its seeds"))])
+            _check_resume_overrides(args.set)
+            return _report_seed_group(seed_groups.resume_seeds(args.resume, args.set, progress=progress))
+        if args.seeds is not None:
+            raise ConfigError([ConfigIssue(key="--seeds", value=args.seeds, allowed=(
+                f"omit it with --resume of a single run ({args.resume} has no seeds.json); to run more seeds, "
+                "start a seed group: rayfed-proto run CONFIG --seeds ..."))])
+        if "://" in args.resume:  # a checkpoint.dir URI: the run folder rebuilt from what the store holds (runstore.py)
+            from rayfed_proto.config import parse_override
+            from rayfed_proto.runtime.runstore import rebuild_run_folder
+
+            _check_resume_overrides(args.set)
+            out_dir = dict(parse_override(s) for s in args.set).get("tracking.output_dir")
+            uri, args.resume = args.resume, str(rebuild_run_folder(args.resume, out_dir))
+            args.set = [f"checkpoint.dir={uri}", *args.set]
         saved = Path(args.resume) / "config.yaml"
         if not saved.is_file():
-            raise InputError(f"{args.resume} is not the output folder of a run (no config.yaml in it); "
-                             "pass the folder printed as 'outputs:' or in the stop message")
+            raise InputError(f"{args.resume} is not the output folder of a run or seed group (no config.yaml or "
+                             "seeds.json in it); pass the folder printed as 'outputs:' or in the stop message")
         _check_resume_overrides(args.set)
         cfg = load_config(saved, args.set)
     else:
         cfg = _load(args)
-    result = run_experiment(cfg, progress=not args.no_progress, resume_dir=args.resume)
+        if args.seeds is not None:
+            seeds = seed_groups.check_seeds(args.seeds)
+            seed_groups.check_no_seed_override(args.set)
+            return _report_seed_group(seed_groups.run_seeds(cfg, seeds, progress=progress))
+    result = run_experiment(cfg, progress=progress, resume_dir=args.resume)
     print(result.summary)
     print(f"outputs: {result.output_dir}")
     if result.run_id:
         print(f"MLflow: run {result.run_id} in experiment {cfg.tracking.experiment_name!r}; "
-              f"browse with: mlflow ui --backend-store-uri {result.tracking_uri}")
+              f"{browse_hint(result.tracking_uri, result.run_id)}")
     return 0
 
 
+def _report_seed_group(group) -> int:
+    """The seed group's table and where it is; exit 1 when a seed failed."""
+    print(group.summary)
+    print(f"outputs: {group.output_dir}")
+    if group.parent_run_id:
+        print(f"MLflow: parent run {group.parent_run_id} in experiment {group.experiment_name!r}; "
+              f"{browse_hint(group.tracking_uri, group.parent_run_id)}")
+    if group.status != "FINISHED":
+        print(f"error: {group.reason}; continue the failed seeds with: rayfed-proto run --resume {group.output_dir}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def sweep_dirs() -> list[Path]:
+    """Where a sweep given by name (or by a relative path not found here) is looked for: the
+    current folder, then the checkout this package runs from (its ``tune_configs/`` ships the
+    sweeps; they are not package data, so an installed wheel has only the current folder)."""
+    checkout = Path(__file__).resolve().parent.parent
+    return [Path.cwd()] + ([checkout] if (checkout / "tune_configs").is_dir() and checkout != Path.cwd() else [])
+
+
 def resolve_sweep_arg(sweep: str) -> Path:
-    """A sweep YAML path, or the name of a file in ./tune_configs (``rayfed-proto tune fedsa_lambda_cpu``)."""
-    path = Path(sweep)
-    if not path.exists() and path.suffix == "" and (Path("tune_configs") / f"{sweep}.yaml").is_file():
-        return Path("tune_configs") / f"{sweep}.yaml"
-    return path
+    """A sweep YAML path, or the name of a file in ``tune_configs/`` (``rayfed-proto tune
+    fedsa_lambda_cpu``), found from any folder: see :func:`sweep_dirs`. A ConfigError lists
+    where it looked."""
+    path = Path(sweep).expanduser()
+    if path.exists() or path.is_absolute():
+        return path  # an absolute path that is missing: load_sweep names it
+    by_name = path.suffix == "" and "/" not in sweep
+    tried = [root / "tune_configs" / f"{sweep}.yaml" for root in sweep_dirs()] if by_name else [root / path for root in sweep_dirs()]
+    for candidate in tried:
+        if candidate.is_file():
+            return candidate
+    names = sorted({p.stem for root in sweep_dirs() for p in (root / "tune_configs").glob("*.yaml")})
+    raise ConfigError([ConfigIssue(key="<sweep>", value=sweep, allowed=(
+        "a sweep YAML file, or the name of one in tune_configs/; looked for " + ", ".join(map(str, tried))
+        + (f"; sweeps found: {', '.join(names)}" if names else "")))])
 
 
 def cmd_tune(args) -> int:
@@ -149,14 +225,38 @@ def cmd_tune(args) -> int:
     return 1 if result.num_errors and result.num_errors == len(result.ranked) else 0
 
 
+def cmd_compare(args) -> int:
+    """Mean ± std over seeds per method (and differing config keys) from MLflow: table, plots, comparison run."""
+    from rayfed_proto.tracking.compare import compare, default_out_dir, log_comparison, write_outputs
+
+    comp = compare(args.experiments, tracking_uri=args.tracking_uri, metric=args.metric, mode=args.mode)
+    out = Path(args.out) if args.out else default_out_dir()
+    files = write_outputs(comp, out)
+    print(comp.markdown())
+    print(f"\nfiles in {out}: {', '.join(p.name for p in files.values())}")
+    if not args.no_log:
+        run_id = log_comparison(comp, files, args.experiment_name)
+        where = (f"at {comp.tracking_uri}" if comp.tracking_uri.startswith("http")
+                 else f"browse with: mlflow ui --backend-store-uri {comp.tracking_uri}")
+        print(f"MLflow: comparison run {run_id} in experiment {args.experiment_name!r}; {where}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayfed-proto", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run one federated experiment")
+    p = sub.add_parser("run", help="run one federated experiment (or one per seed with --seeds)")
     _add_config_args(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
-    p.add_argument("--resume", metavar="DIR", help="continue an interrupted run from the latest checkpoint in its output folder")
+    p.add_argument("--resume", metavar="DIR", help="continue an interrupted run, or seed group, from its output folder "
+                                                   "(a run from its latest checkpoint; a group from where it stopped), or "
+                                                   "a run from its checkpoint.dir URI (s3://..., file://...: the run folder "
+                                                   "is rebuilt from what the store holds, e.g. after ray down)")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
+                   help="run the experiment once per seed (e.g. --seeds 0 1 2): one MLflow parent run with a nested run "
+                        "per seed, and a table of each seed's final and best accuracy with their mean and std")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("validate", help="check a config without starting Ray")
     _add_config_args(p)
@@ -171,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override an entry of the base experiment config (repeatable)")
     p.add_argument("--resume", metavar="FOLDER", help="continue an interrupted sweep from its folder")
     p.add_argument("--address", help="an existing Ray cluster: auto, or ray://HOST:10001 (default: a local instance)")
-    p.add_argument("--tracking-uri", help="MLflow store: http(s)://server, or sqlite:///... served by a local server")
+    p.add_argument("--tracking-uri", help="MLflow store: http(s)://server, or sqlite:///... served by a local server; "
+                                          "with --resume: where the sweep logs from now on (its old server is gone "
+                                          "with its cluster)")
     p.add_argument("--num-samples", type=int, help="override the sweep's num_samples")
     p.add_argument("--max-concurrent", type=int, help="override the sweep's max_concurrent_trials")
     p.add_argument("--storage-path", help="override the sweep's storage_path (Tune's folder parent; s3://bucket/prefix on a cluster)")
@@ -179,6 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="validate the sweep file (every trial's config) and exit")
     p.add_argument("--quiet", action="store_true", help="no Tune progress tables")
     p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("compare", help="compare methods over seeds: mean ± std table, plots and a comparison run from MLflow")
+    p.add_argument("experiments", nargs="+", metavar="EXPERIMENT", help="MLflow experiment name(s) whose runs are compared")
+    p.add_argument("--tracking-uri", help="MLflow store: sqlite:///path.db, a folder, or http(s)://server "
+                                          "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db, as for run)")
+    p.add_argument("--metric", default="eval/head_acc", help="the metric compared (default: eval/head_acc)")
+    p.add_argument("--mode", choices=("max", "min"), default="max", help="best = the highest (max) or lowest (min) value")
+    p.add_argument("--out", metavar="DIR", help="folder for the CSV, Markdown and PNG files (default: ./compare-<time>)")
+    p.add_argument("--experiment-name", default="rayfed_proto_compare",
+                   help="MLflow experiment of the comparison run (default: rayfed_proto_compare)")
+    p.add_argument("--no-log", action="store_true", help="write the files only, log no comparison run")
+    p.set_defaults(func=cmd_compare)
     return parser
 
 
