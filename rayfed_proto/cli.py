@@ -143,6 +143,8 @@ def cmd_run(args) -> int:
         _check_resume_overrides(args.set)
         cfg = load_config(saved, args.set)
     else:
+        if args.methods:
+            return _run_methods(args, progress)
         cfg = _load(args)
         if args.seeds is not None:
             seeds = seed_groups.check_seeds(args.seeds)
@@ -155,6 +157,42 @@ def cmd_run(args) -> int:
         print(f"MLflow: run {result.run_id} in experiment {cfg.tracking.experiment_name!r}; "
               f"{browse_hint(result.tracking_uri, result.run_id)}")
     return 0
+
+
+def _run_methods(args, progress: bool) -> int:
+    """``--methods A B C``: the same experiment once per method (``algorithm.name``), each a seed
+    group when ``--seeds`` is given, all in one MLflow experiment, ready for ``compare``. Every
+    method's config is checked before the first one runs."""
+    from rayfed_proto.runtime import seeds as seed_groups
+    from rayfed_proto.runtime.driver import run_experiment
+
+    if args.resume:
+        raise ConfigError([ConfigIssue(key="--methods", value=args.methods, allowed=(
+            "omit it with --resume: resume each method's run or seed group by its folder"))])
+    if len(set(args.methods)) != len(args.methods):
+        raise ConfigError([ConfigIssue(key="--methods", value=args.methods, allowed="distinct algorithm names")])
+    for item in args.set:
+        if item.split("=", 1)[0].strip() == "algorithm.name":
+            raise ConfigError([ConfigIssue(key="--set algorithm.name", value=item, allowed=(
+                "omit it with --methods: each method sets algorithm.name"))])
+    cfgs = [load_config(resolve_config_arg(args.config), [*args.set, f"algorithm.name={m}"]) for m in args.methods]
+    seeds = None
+    if args.seeds is not None:
+        seeds = seed_groups.check_seeds(args.seeds)
+        seed_groups.check_no_seed_override(args.set)
+    code = 0
+    for method, cfg in zip(args.methods, cfgs, strict=True):
+        print(f"== {method} ==", flush=True)
+        if seeds is not None:
+            code = max(code, _report_seed_group(seed_groups.run_seeds(cfg, seeds, progress=progress)))
+            continue
+        result = run_experiment(cfg, progress=progress)
+        print(result.summary)
+        print(f"outputs: {result.output_dir}")
+    experiment = cfgs[0].tracking.experiment_name
+    print(f"compare them with: rayfed-proto compare {experiment}"
+          + (f" --tracking-uri {cfgs[0].tracking.tracking_uri}" if cfgs[0].tracking.tracking_uri else ""))
+    return code
 
 
 def _report_seed_group(group) -> int:
@@ -257,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED",
                    help="run the experiment once per seed (e.g. --seeds 0 1 2): one MLflow parent run with a nested run "
                         "per seed, and a table of each seed's final and best accuracy with their mean and std")
+    p.add_argument("--methods", nargs="+", metavar="ALGORITHM",
+                   help="run the experiment once per method (algorithm.name), with --seeds once per method and seed, "
+                        "all in one MLflow experiment; then: rayfed-proto compare EXPERIMENT")
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("validate", help="check a config without starting Ray")
     _add_config_args(p)

@@ -235,3 +235,25 @@ def test_a_plain_keyboard_interrupt_stops_the_group_with_its_resume_command(tmp_
     assert f"Resume the group with: rayfed-proto run --resume {group}" in err
     runs = json.loads((group / "seeds.json").read_text())["runs"]
     assert [runs[s]["status"] for s in ("0", "1", "2")] == ["finished", "interrupted", "pending"]
+
+
+def test_cli_methods_runs_each_method_over_the_seeds_and_names_the_compare_command(tmp_path, monkeypatch, capsys):
+    from rayfed_proto.runtime import driver
+
+    fake, calls = _fake_driver(fail_seeds=set())
+    seen = []
+    monkeypatch.setattr(driver, "run_experiment", lambda cfg, **kw: (seen.append(cfg.algorithm.name), fake(cfg, **kw))[1])
+    common = ["--set", "tracking.enabled=false", "--set", f"tracking.output_dir={tmp_path / 'runs'}", "--set",
+              "federation.rounds=2", "--set", "federation.eval_every=1", "--set", "tracking.experiment_name=methods"]
+    code = main(["run", "--no-progress", "--methods", "fedproto", "fedsa", "--seeds", "0", "1", *common])
+    out, _ = capsys.readouterr()
+    assert code == 0 and seen == ["fedproto", "fedproto", "fedsa", "fedsa"] and [s for s, _ in calls] == [0, 1, 0, 1]
+    assert "== fedproto ==" in out and "== fedsa ==" in out and "rayfed-proto compare methods" in out
+    assert len(list((tmp_path / "runs").iterdir())) == 2  # one seed group per method
+    # every method's config is checked before anything runs; algorithm.name is --methods' to set
+    code, err = _cli(["run", "--methods", "fedproto", "nosuchmethod", *common], capsys)
+    assert code == 2 and "nosuchmethod" in err and seen == ["fedproto", "fedproto", "fedsa", "fedsa"]
+    code, err = _cli(["run", "--methods", "fedproto", "--set", "algorithm.name=fedsa", *common], capsys)
+    assert code == 2 and "omit it with --methods" in err
+    code, err = _cli(["run", "--methods", "fedproto", "fedproto", *common], capsys)
+    assert code == 2 and "distinct algorithm names" in err
