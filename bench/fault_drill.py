@@ -128,7 +128,7 @@ def guard_scenarios(tmp: Path, rounds: int):
             client = MlflowClient(uri)
             exp = client.get_experiment_by_name("rayfed_proto")
             run = [r for r in client.search_runs([exp.experiment_id]) if "failure_reason" in r.data.tags][-1]
-            return (f"NoProgressError; MLflow {run.info.status}, updates_refused={run.data.metrics.get('updates_refused'):g}: "
+            return (f"NoProgressError; MLflow {run.info.status}, updates_refused={run.data.metrics.get(names.FEDERATION_UPDATES_REFUSED):g}: "
                     f"{str(e)[:60]}...")
 
     yield "guard: every client uploads garbage (async)", "stops, MLflow FAILED, refusals logged", no_progress
@@ -171,6 +171,96 @@ def guard_scenarios(tmp: Path, rounds: int):
 
     yield "guard: damaged newest checkpoint, then busy / finished folder", \
         "older checkpoint used; second driver and rerun refused; extension continues", damaged_then_finished
+
+    def final_checkpoint_lost():  # issue 25, item 1
+        common = ["federation.mode=sync", "checkpoint.every=1", "checkpoint.keep=2"]
+        done = run_experiment(cfg("final_lost", common), **quiet)
+        final = checkpoint_store(cfg("final_lost", common), done.output_dir).latest()
+        data = (final.path / "server.pt").read_bytes()
+        (final.path / "server.pt").write_bytes(data[: len(data) // 2])
+        said: list[str] = []
+        more = run_experiment(cfg("final_lost", [*common, f"federation.rounds={rounds + 2}"]),
+                              resume_dir=done.output_dir, progress=False, echo=said.append)
+        observed = next(s for s in said if s.startswith("resuming from")).split("(")[-1].rstrip(")")
+        tags = MlflowClient(uri).get_run(more.run_id).data.tags
+        return (f"final v{final.version} damaged: extended from {observed}, finished v{more.final_version}; "
+                f"superseded_steps={tags.get('superseded_steps')}; MLflow {MlflowClient(uri).get_run(more.run_id).info.status}")
+
+    yield "guard: finished run whose final checkpoint is damaged, extended", \
+        "continues from the older checkpoint, redoes the versions after it (tagged superseded)", final_checkpoint_lost
+
+    def killed_driver_other_folder():  # issue 25, item 2
+        import os
+        import signal
+        import subprocess
+
+        import ray
+
+        sets = [x for o in BASE + [f"tracking.tracking_uri={uri}", f"tracking.output_dir={tmp / 'killed'}",
+                                   "federation.mode=sync", "federation.rounds=40", "checkpoint.every=1",
+                                   f"resources.address={ray.get_runtime_context().gcs_address}"] for x in ("--set", o)]
+        proc = subprocess.Popen([sys.executable, "-m", "rayfed_proto.cli", "run", "--no-progress", *sets],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ})
+        deadline = time.monotonic() + 300
+        while not list((tmp / "killed").glob("*/checkpoints/v000001/manifest.json")):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return "the driver to kill never reached its first checkpoint (ERROR)"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        out = next((tmp / "killed").iterdir())
+        run_id = json.loads((out / "run.json").read_text())["run_id"]
+        before = MlflowClient(uri).get_run(run_id).info.status
+        said: list[str] = []
+        run_experiment(cfg("elsewhere", ["federation.mode=sync", "checkpoint.every=0", "federation.rounds=1"]),
+                       progress=False, echo=said.append)
+        after = MlflowClient(uri).get_run(run_id)
+        ok = after.info.status == "KILLED" and after.data.tags.get("resume_from") == str(out)
+        return (f"after SIGKILL: {before}; a new run in another folder: {after.info.status}, resume_from "
+                f"{'set' if ok else 'MISSING (WRONG)'}; told: {'yes' if any(run_id in s for s in said) else 'no (WRONG)'}")
+
+    yield "guard: driver SIGKILLed, next run uses another folder", \
+        "the dead driver's run settled (KILLED, resume_from) and the new run says so", killed_driver_other_folder
+
+    def windows_end_early():  # issue 25, item 3
+        windows = tmp / "online.csv"
+        windows.write_text("client_id,start_s,end_s\n" + "".join(f"{c},0,1e-9\n" for c in range(4)))
+        virtual = ["federation.mode=async", "federation.buffer_size=2", "federation.concurrency=2", "checkpoint.every=0",
+                   "system.availability.kind=csv", f"system.availability.path={windows}"]
+        try:
+            run_experiment(cfg("windows_short", virtual), **quiet)
+            short = "ran (WRONG)"
+        except InputError as e:
+            short = "refused before Ray (exit 2)" if "system.availability" in str(e) else f"refused: {e}"
+        try:  # 4 clients x 1 start each pass the bound for 2 versions; only 2 run at once, so 1 version forms
+            run_experiment(cfg("windows_dry", [*virtual, "federation.rounds=2"]), **quiet)
+            dry = "finished (WRONG)"
+        except NoProgressError as e:
+            client = MlflowClient(uri)
+            run = [r for r in client.search_runs([client.get_experiment_by_name("rayfed_proto").experiment_id])
+                   if "no client can be online" in r.data.tags.get("failure_reason", "")][-1]
+            import pandas as pd
+
+            kept = list(pd.read_parquet(next((tmp / "windows_dry").iterdir()) / "history.parquet")["version"])
+            dry = f"exit 1, MLflow {run.info.status} with failure_reason, history versions {kept}: {str(e)[:40]}..."
+        return f"{rounds} rounds: {short}; 2 rounds: {dry}"
+
+    yield "guard: availability windows end before the run", \
+        "too short for any run: refused before Ray; running dry: FAILED with reason, history kept", windows_end_early
+
+    def tracking_under_load():  # issue 25, item 8; reduced: bench/tracking_load.py runs 8 trials + 2 runs
+        from tracking_load import build_parser, run_load  # bench/, this script's folder
+
+        r = run_load(build_parser().parse_args(["--trials", "2", "--plain", "2", "--rounds", "3", "--plain-rounds", "8",
+                                                "--hold-s", "45"]), "sqlite", tmp / "tracking_load", echo=lambda s: None)
+        shown = r["lock_lines"] + r["operational_error_lines"]
+        wrong = shown or r["finished"] < r["runs_expected"] or r["missing"] or r["runs_without_history"]
+        return (f"{r['finished']}/{r['runs_expected']} runs FINISHED; metric points {r['points']}/{r['expected_points']} "
+                f"(missing {r['missing']}); {r['calls_during_lock']} tracker calls met the lock, {r['retries']} retried; "
+                f"lock errors shown: {shown}; exit codes {sorted(r['exit_codes'].values())}" + (" (WRONG)" if wrong else ""))
+
+    yield "guard: tracking under load (2-trial sweep + 2 runs, one sqlite store locked 45 s)", \
+        "every run FINISHED with every version's metrics; no lock error reaches the user", tracking_under_load
 
     def nan_pixels():
         images = np.random.default_rng(0).random((60, 8, 8)).astype(np.float32)
