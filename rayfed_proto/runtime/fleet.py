@@ -35,8 +35,10 @@ class ActorFleet:
         self.cfg_dict, self.plan, self.fed, self.name = cfg_dict, plan, fed, name
         self.cluster = cluster or {}  # the cluster's resources when the run was planned (for messages)
         self.store = None  # the run's CheckpointStore: restarts and resumes read it, checkpoints go to it
+        self.run_dir = None  # the run folder: its files go beside the checkpoints of a remote store (runstore.py)
+        self._run_files_stored = False
         self.pg = None
-        self.requested = False
+        self.requested = False  # an autoscaler request of this run stands (withdrawn once placed, or at shutdown)
         self.generation: dict[Any, int] = {}
         self.handles: dict[str, Any] = {"actors": [], "server": None}
         self.data_ref = None
@@ -136,7 +138,10 @@ class ActorFleet:
                  f"resources.clients_per_actor, or raise resources.placement_timeout_s.")
         deadline = time.monotonic() + timeout
         if self.pg is not None:  # shows the nodes arriving; withdraws the autoscaler request once placed
-            autoscale.wait_placed(self.pg, self._bundles(), timeout, progress, asked, self.requested)
+            try:
+                autoscale.wait_placed(self.pg, self._bundles(), timeout, progress, asked, self.requested)
+            finally:
+                self.requested = False  # wait_placed withdrew it, placed or not
         refs = list(self.setup_refs) + [self.handles["server"].info.remote()]
         bar = None
         if progress:
@@ -173,6 +178,11 @@ class ActorFleet:
                                        actor_rng={a: rng for a, (_, rng) in enumerate(actor_snaps)}, driver=driver,
                                        run_id=run_id)
         log.info("checkpoint written: %s", path)
+        if path is not None and not self._run_files_stored and self.run_dir is not None:
+            from rayfed_proto.runtime import runstore
+
+            # a remote store holds what `run --resume URI` needs to rebuild the run folder
+            self._run_files_stored = runstore.store_run_files(self.store, self.run_dir)
         return path
 
     def restart_worker(self, a: int, echo=print):
@@ -199,8 +209,17 @@ class ActorFleet:
                                                                else "(from scratch: no checkpoint yet)"))
         return server, version
 
+    def withdraw_request(self) -> None:
+        """Withdraw this run's autoscaler request if it still stands (nothing otherwise)."""
+        if self.requested:
+            self.requested = False
+            autoscale.withdraw_request()
+
     def shutdown(self) -> None:
-        """Kill the actors and remove the placement group; later calls do nothing."""
+        """Withdraw the run's autoscaler request, kill the actors and remove the placement group;
+        later calls do nothing. Every way out of a run comes here (driver.py), so no request of
+        a run that failed, was interrupted or finished keeps nodes up."""
+        self.withdraw_request()
         if self.closed:
             return
         self.closed = True

@@ -25,7 +25,14 @@ from rayfed_proto.runtime.autoscale import capacity, request_if_short, withdraw_
 from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED, sweep_best
 from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
-from rayfed_proto.tuning.report import best_config, format_table, plot_metric_vs_params, rank_trials, write_best_yaml
+from rayfed_proto.tuning.report import (
+    best_config,
+    format_table,
+    parent_description,
+    plot_metric_vs_params,
+    rank_trials,
+    write_best_yaml,
+)
 from rayfed_proto.tuning.resources import check_fits_cluster, resolve_gpus_per_trial
 from rayfed_proto.tuning.spec import SweepSpec, _corner_values, parse_sweep
 from rayfed_proto.tuning.trainable import (
@@ -138,10 +145,15 @@ def request_for_trials(ctx: TrialContext, spec: SweepSpec) -> bool:
     """Ask an autoscaling cluster for the placement groups of ``max_concurrent_trials`` trials (the
     first corner of the search space stands for all) when it lacks them; True when asked. Tune's
     pending trial groups are a demand the autoscaler serves too; this asks at once, for all."""
-    values = next(iter(_corner_values(spec.space)), {})
-    _, plan = trial_config(ctx, values)
     concurrent = min(spec.file.max_concurrent_trials, spec.num_trials)
-    return request_if_short(plan.bundles * max(1, concurrent))
+    return request_if_short(_trial_bundles(ctx, spec) * max(1, concurrent))
+
+
+def _trial_bundles(ctx: TrialContext, spec: SweepSpec) -> list[dict[str, float]]:
+    """One trial's placement-group bundles (the first corner of the search space stands for all);
+    the request is narrowed to fewer trials' groups as trials finish (tuning/requests.py)."""
+    _, plan = trial_config(ctx, next(iter(_corner_values(spec.space)), {}))
+    return plan.bundles
 
 
 def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None, address: Optional[str] = None,
@@ -159,6 +171,13 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         spec = parse_sweep(state["sweep"], state["source"], cwd)
         store_uri, parent_run_id = state["store_uri"], state["parent_run_id"]
         output_dir = state["output_dir"]
+        if tracking_uri is not None and store_uri is not None:  # the sweep's MLflow server moved (its cluster is gone)
+            store_uri = resolve_tracking_uri(tracking_uri)
+            if not (is_remote_uri(store_uri) or store_uri.startswith("sqlite:///")):
+                raise ConfigError([ConfigIssue(key="--tracking-uri", value=store_uri, allowed=(
+                    "for a sweep: a sqlite store (sqlite:///..., or a .db path) served by a local MLflow server, or an "
+                    "http(s):// MLflow server over the sweep's store"))], spec.source)
+            state["store_uri"] = store_uri
     else:
         assert spec is not None
         base_tr = spec.base_config.tracking
@@ -196,7 +215,14 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
             if parent_run_id is None:
                 parent_run_id = _start_parent_run(client, experiment.experiment_id, spec, exp_path)
             else:
-                client.update_run(parent_run_id, status="RUNNING")
+                try:
+                    client.update_run(parent_run_id, status="RUNNING")
+                except mlflow.exceptions.MlflowException as e:
+                    raise ConfigError([ConfigIssue(key="--tracking-uri", value=store_uri, allowed=(
+                        f"a store holding the sweep's parent run {parent_run_id} (an MLflow server over the same "
+                        f"database and artifact store as before): {str(e).splitlines()[0][:200]}"))], spec.source) from None
+                if tracking_uri is not None:  # the new store works: later resumes use it too
+                    _write_state(exp_path, state)
                 # a trial killed with the interrupted sweep may have ended its run after that sweep closed it
                 _close_children(client, spec, parent_run_id, _errored_trials(exp_path))
 
@@ -214,7 +240,10 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         if resume is None:
             _write_state(exp_path, {"source": spec.source, "sweep": {**spec.file.model_dump(mode="json"), "base": base_raw, "set": {}},
                                     "store_uri": store_uri, "parent_run_id": parent_run_id, "output_dir": output_dir})
-        grid = _tuner(spec, trainable, exp_path, resume is not None, stop, verbose, echo).fit()
+        from rayfed_proto.tuning.requests import NarrowRequest  # imports ray.tune: not at `tune --check`
+
+        narrow = NarrowRequest(_trial_bundles(ctx, spec), spec.file.max_concurrent_trials, spec.num_trials)
+        grid = _tuner(spec, trainable, exp_path, resume is not None, stop, verbose, echo, callbacks=[narrow]).fit()
 
         result = _summarise(grid, spec, exp_path, store_uri, parent_run_id, client, best_out, echo)
         result.interrupted = _interrupted(exp_path, result.ranked)
@@ -252,9 +281,10 @@ def _start_parent_run(client, experiment_id: str, spec: SweepSpec, exp_path: str
     return parent.info.run_id
 
 
-def _tuner(spec: SweepSpec, trainable, exp_path: str, resume: bool, stop, verbose: int, echo: Callable[[str], None]):
+def _tuner(spec: SweepSpec, trainable, exp_path: str, resume: bool, stop, verbose: int, echo: Callable[[str], None],
+           callbacks: Optional[list] = None):
     """A new Tune experiment at ``exp_path`` (Tune's own checkpointing and retries), or the
-    interrupted one restored from there."""
+    interrupted one restored from there (with the callbacks it was started with: Tune keeps them)."""
     from ray import tune
 
     if resume:
@@ -272,7 +302,7 @@ def _tuner(spec: SweepSpec, trainable, exp_path: str, resume: bool, stop, verbos
                                     search_alg=_searcher(spec), num_samples=spec.file.num_samples,
                                     max_concurrent_trials=spec.file.max_concurrent_trials),
         run_config=tune.RunConfig(name=exp_path.rsplit("/", 1)[1], storage_path=exp_path.rsplit("/", 1)[0],
-                                  stop=stop, verbose=verbose,
+                                  stop=stop, verbose=verbose, callbacks=callbacks,
                                   failure_config=tune.FailureConfig(max_failures=spec.file.max_failures),
                                   checkpoint_config=tune.CheckpointConfig(num_to_keep=spec.file.checkpoints_to_keep)))
 
@@ -328,7 +358,8 @@ def _close_children(client, spec: SweepSpec, parent_run_id: str, errored: set[st
                                   max_results=10_000):
         status, name = run.info.status, run.info.run_name or ""
         stopped = status == "RUNNING" or (status == "FAILED" and errored is not None
-                                          and not any(name.split(" ", 1)[0].endswith(f"-{t}") for t in errored))
+                                          # "<values> <method> <sweep>-<trial id>" (before 0.3: "<sweep>-<trial id> [...]")
+                                          and not any(w.endswith(f"-{t}") for w in name.split(" ") for t in errored))
         if stopped:
             client.set_tag(run.info.run_id, "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
             client.set_terminated(run.info.run_id, status="KILLED")
@@ -393,6 +424,10 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
             client.log_metric(parent_run_id, sweep_best(metric), float(scored[0][metric]))
             for k in spec.space:
                 client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))
+            if scored[0].get("mlflow_run_id"):
+                client.set_tag(parent_run_id, "best.run_id", str(scored[0]["mlflow_run_id"]))
+        client.set_tag(parent_run_id, "mlflow.note.content", parent_description(
+            spec.name, metric, mode, ranked, list(spec.space), client.get_run(parent_run_id).info.experiment_id))
         client.log_metric(parent_run_id, SWEEP_TRIALS, len(ranked))
         client.log_metric(parent_run_id, SWEEP_TRIALS_ERRORED, errors)
     return SweepResult(exp_path, parent_run_id, store_uri, ranked, table, best_path, errors)

@@ -134,6 +134,16 @@ class FakeAutoscalingHead:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
+def standing_request() -> list:
+    """The autoscaler request standing in the connected cluster's GCS (what ``request_resources``
+    wrote there for the v1 autoscaler to read; [] when withdrawn or never made)."""
+    from ray._private.ray_constants import AUTOSCALER_RESOURCE_REQUEST_CHANNEL
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)
+    return json.loads(raw) if raw else []
+
+
 @contextlib.contextmanager
 def outside_shared_ray(num_cpus: int = 2, num_gpus: int = 2):
     """Shut the suite's shared local Ray instance (tests/conftest.py: ray_session) down for the

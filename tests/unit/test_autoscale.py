@@ -87,7 +87,11 @@ def test_request_only_when_short_and_only_cpu_gpu(fake_ray):
     assert autoscale.request_if_short(bundles) is True
     assert fake_ray.requests == [[{"CPU": 1.0}, {"CPU": 0.5, "GPU": 0.25}]]
     fake_ray.totals = {"CPU": 2.0, "GPU": 1.0}
+    fake_ray.node_list = [{"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0, "node:10.0.0.1": 1.0}}]
     assert autoscale.request_if_short(bundles) is False and len(fake_ray.requests) == 1
+    # 2 CPUs in all, but on two 1-CPU nodes: a 2-CPU bundle fits on neither
+    fake_ray.node_list = [{"Alive": True, "Resources": {"CPU": 1.0, "GPU": 1.0}}, {"Alive": True, "Resources": {"CPU": 1.0}}]
+    assert autoscale.request_if_short([{"CPU": 2.0}]) is True  # short per node, not in total
     autoscale.withdraw_request()
     assert fake_ray.requests[-1] == []
 

@@ -1,9 +1,12 @@
 """cluster.yaml stays a valid Ray cluster launcher config that launches: one pinned Ray version, an
 rsync filter, an autoscaler that can plan from its node types, services off public interfaces,
-results (MLflow runs, artifacts) off the head's disk."""
+results (MLflow runs, artifacts) off the head's disk; nodes that set themselves up on a stock
+Ubuntu image, no secret in any file, workers that reach the head's MLflow server (issue 27)."""
 
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -19,10 +22,28 @@ def _config():
     return yaml.safe_load((ROOT / "cluster.yaml").read_text())
 
 
-def _mlflow_args():
-    commands = [c for c in _config()["head_start_ray_commands"] if "mlflow server" in c]
+def _mlflow_command() -> str:
+    commands = [c for c in _config()["head_start_ray_commands"] if "mlflow-server.sh" in c]
     assert len(commands) == 1
-    return commands[0].split()
+    return commands[0]
+
+
+def _run_mlflow_script(tmp_path, env: dict) -> tuple[list[str], dict]:
+    """Run deploy/mlflow-server.sh with a stand-in `mlflow` (and `python`, for the Secrets Manager
+    read) in a fake venv: what it would start, and with which environment."""
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True, exist_ok=True)
+    (venv / "mlflow").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@" > "$OUT/args"\nenv > "$OUT/env"\n')
+    (venv / "python").write_text('#!/usr/bin/env bash\ncat > /dev/null\necho "postgresql://mlflow:from-$2-in-$3@db:5432/mlflow"\n')
+    for f in venv.iterdir():
+        f.chmod(0o755)
+    full = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "RAYFED_VENV": str(tmp_path / "venv"), "OUT": str(tmp_path),
+            "MLFLOW_ARTIFACTS_DESTINATION": "s3://bucket/mlflow-artifacts", **env}
+    done = subprocess.run(["bash", str(ROOT / "deploy" / "mlflow-server.sh")], env=full, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    args = (tmp_path / "args").read_text().split("\n")[:-1]
+    server_env = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines() if "=" in line)
+    return args, server_env
 
 
 def test_cluster_yaml_matches_rays_schema():
@@ -47,20 +68,71 @@ def test_local_environments_data_and_results_are_not_synced():
     assert cfg["rsync_filter"] == [".gitignore"]
 
 
-def test_dashboard_on_loopback_and_mlflow_on_the_private_address_only():
+def test_dashboard_on_loopback_and_mlflow_on_the_private_address_only(tmp_path):
     head = " ".join(_config()["head_start_ray_commands"])
     assert "--dashboard-host=127.0.0.1" in head and "0.0.0.0" not in head
-    args = _mlflow_args()
-    assert args[args.index("--host") + 1] == "\"$(hostname" and "-I" in args  # the head's private IP, not a public one
+    args, _ = _run_mlflow_script(tmp_path, {"MLFLOW_BACKEND_STORE_URI": "postgresql://u:p@db/mlflow"})
+    private = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    assert args[:2] == ["server", "--host"] and args[2] == private  # the head's private IP, not 0.0.0.0 or a public one
+    assert "0.0.0.0" not in (ROOT / "deploy" / "mlflow-server.sh").read_text()
 
 
-def test_mlflow_results_outlive_the_cluster():
-    args = _mlflow_args()
-    assert args[args.index("--backend-store-uri") + 1].startswith("postgresql://")  # not a sqlite file on the head
+def test_mlflow_results_outlive_the_cluster_and_its_password_is_in_no_file(tmp_path):
+    command = _mlflow_command()
+    assert "postgresql://" not in (ROOT / "cluster.yaml").read_text().split("head_start_ray_commands:")[1]
+    assert "MLFLOW_ARTIFACTS_DESTINATION=s3://" in command and "RAYFED_MLFLOW_SECRET=" in command
+    # from the environment when the head has it ...
+    args, env = _run_mlflow_script(tmp_path, {"MLFLOW_BACKEND_STORE_URI": "postgresql://u:p@db/mlflow"})
     assert "--serve-artifacts" in args and "--no-serve-artifacts" not in args
-    assert args[args.index("--artifacts-destination") + 1].startswith("s3://")
-    assert "psycopg2-binary" in " ".join(_config()["head_setup_commands"])
-    assert any("MLFLOW_TRACKING_URI=http://" in c for c in _config()["setup_commands"])  # drivers on every node
+    assert args[args.index("--artifacts-destination") + 1] == "s3://bucket/mlflow-artifacts"
+    assert "--backend-store-uri" not in args and env["MLFLOW_BACKEND_STORE_URI"] == "postgresql://u:p@db/mlflow"  # not in `ps`
+    # ... else from AWS Secrets Manager (the stand-in python answers for boto3), in the given region
+    args, env = _run_mlflow_script(tmp_path, {"RAYFED_MLFLOW_SECRET": "rayfed/db", "AWS_REGION": "eu-west-1"})
+    assert env["MLFLOW_BACKEND_STORE_URI"] == "postgresql://mlflow:from-rayfed/db-in-eu-west-1@db:5432/mlflow"
+    assert "--backend-store-uri" not in args
+    assert {"psycopg2-binary", "boto3"} <= set(" ".join(_config()["head_setup_commands"]).split())
+    policy = json.loads((ROOT / "deploy" / "iam" / "head-policy.json").read_text())
+    secret = next(s for s in policy["Statement"] if s["Action"] == "secretsmanager:GetSecretValue")
+    assert "rayfed-proto/mlflow-backend-store-uri" in secret["Resource"] and "rayfed-proto/mlflow-backend-store-uri" in command
+
+
+def test_no_credentials_in_any_file_of_the_deployment():
+    credential = re.compile(r"[a-z0-9+]+://[^\s:/@'\"]+:([^\s@/'\"]+)@")
+    for path in [ROOT / "cluster.yaml", *sorted((ROOT / "deploy").rglob("*"))]:
+        if path.is_file():
+            for password in credential.findall(path.read_text()):
+                assert password == "PASSWORD", (path, password)  # a placeholder in a comment, never a value
+    for path in (ROOT / "deploy").rglob("*.yaml"):
+        assert all((doc or {}).get("kind") != "Secret" for doc in yaml.safe_load_all(path.read_text())), path
+
+
+def test_a_stock_ubuntu_image_gets_python3_venv_before_the_venv_is_made():
+    setup = _config()["setup_commands"]
+    venv = next(i for i, c in enumerate(setup) if "python3 -m venv" in c)
+    apt = next(i for i, c in enumerate(setup) if "apt-get" in c and "install" in c and "python3-venv" in c)
+    assert apt < venv and "-y" in setup[apt].split()
+
+
+def test_workers_reach_the_heads_mlflow_server(tmp_path):
+    """The setup commands run on a worker with RAY_HEAD_IP set (the launcher exports it for that
+    command only); every later shell on the worker, where it is unset, must get the head's address."""
+    commands = [c for c in _config()["setup_commands"] if "MLFLOW_TRACKING_URI" in c]
+    assert commands
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path)}
+    for c in commands:
+        subprocess.run(["bash", "-c", f"export RAY_HEAD_IP=10.1.2.3; {c}"], env=env, check=True, timeout=30)
+    later = subprocess.run(["bash", "-c", ". ~/.bashrc; echo $MLFLOW_TRACKING_URI"], env=env, capture_output=True,
+                           text=True, timeout=30)
+    assert later.stdout.strip() == "http://10.1.2.3:5000"
+    # on the head (no RAY_HEAD_IP): its own private address
+    head_home = tmp_path / "head"
+    head_home.mkdir()
+    env["HOME"] = str(head_home)
+    for c in commands:
+        subprocess.run(["bash", "-c", c], env=env, check=True, timeout=30)
+    own = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    later = subprocess.run(["bash", "-c", ". ~/.bashrc; echo $MLFLOW_TRACKING_URI"], env=env, capture_output=True, text=True)
+    assert later.stdout.strip() == f"http://{own}:5000"
 
 
 def test_autoscaler_starts_from_zero_and_runs_can_plan_from_the_node_types(tmp_path):

@@ -66,7 +66,7 @@ def test_more_gpus_than_the_cluster_has_is_refused_with_the_key():
         plan(["federation.num_clients=4", "resources.client_num_gpus=0.5"], gpus=1)
     issue = exc.value.issues[0]
     assert issue.key == "resources.client_num_gpus" and issue.value == 0.5
-    assert "do not fit the cluster's 1 GPUs" in issue.allowed
+    assert "do not fit the nodes' GPUs" in issue.allowed and "at most 2 per GPU" in issue.allowed
 
 
 def test_more_cpus_than_the_cluster_has_is_refused():
