@@ -160,6 +160,13 @@ class FederationConfig(_Section):
     staleness_exponent: float = Field(0.5, ge=0, description="weight (1 + staleness)^(-a)")
     max_staleness: int = Field(20, ge=0, description="async: older updates are dropped and counted")
     eval_every: int = Field(5, ge=1, description="evaluate all clients every this many versions")
+    round_deadline_s: Optional[float] = Field(
+        None, gt=0, allow_inf_nan=False, description="sync with a virtual clock (system:): updates that would finish "
+        "later than this many simulated seconds after the round started are dropped and counted; null: no deadline")
+    over_selection: float = Field(
+        1.0, ge=1, allow_inf_nan=False, description="sync with a virtual clock (system:): select ceil(this x "
+        "ceil(participation x num_clients)) clients per round and keep the first ceil(participation x num_clients) "
+        "to finish, the rest dropped and counted (FedScale's over-commitment); 1: no over-selection")
 
     @field_validator("participation")
     @classmethod
@@ -230,7 +237,7 @@ class TrackingConfig(_Section):
         "auto", description="models logged with mlflow.pytorch.log_model at the end of the run; auto: the server's "
                             "model when the method has one, otherwise one client per architecture")
     client_series_limit: int = Field(
-        100, ge=0, description="up to this many clients, every client gets client/<id>/... series; above, a seeded sample")
+        100, ge=0, description="up to this many clients, every client gets zz_client/<series>/client_<id> series; above, a seeded sample")
     client_series_sample: int = Field(
         20, ge=0, description="above client_series_limit: clients in the seeded sample (plus the final worst and best)")
     system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, GPU) of the driver process")
@@ -288,6 +295,13 @@ class CsvSpeed(_Section):
     path: str = Field(description="CSV file with header client_id,speed; every client exactly once, speed > 0")
 
 
+class FedScaleSpeed(_Section):
+    kind: Literal["fedscale"]
+    path: str = Field(description="FedScale device-capacity trace (pickle {client: {computation, communication}}, or CSV / "
+                                  "Parquet with columns client_id,computation,communication); speed = the trace's median "
+                                  "computation / the client's (ms per sample), trace clients mapped to run clients by the seed")
+
+
 class AlwaysOnline(_Section):
     kind: Literal["always"] = "always"
 
@@ -312,9 +326,37 @@ class CsvOnline(_Section):
                                   "simulated seconds; clients not listed are always online")
 
 
-SpeedConfig = Annotated[Union[ConstantSpeed, LognormalSpeed, CsvSpeed], Field(discriminator="kind")]
-AvailabilityConfig = Annotated[Union[AlwaysOnline, ProbabilityOnline, CsvOnline], Field(discriminator="kind")]
-_UNION_KINDS = {"system.speed": "constant, lognormal, csv", "system.availability": "always, probability, csv"}
+class FedScaleOnline(_Section):
+    kind: Literal["fedscale"]
+    path: str = Field(description="FedScale behaviour trace (pickle {client: {active, inactive, finish_time}}, or CSV / "
+                                  "Parquet with columns client_id,active,inactive,finish_time): online from active[k] to "
+                                  "inactive[k], repeating every finish_time; trace clients mapped to run clients by the seed")
+
+
+class ConstantBandwidth(_Section):
+    kind: Literal["constant"] = "constant"  # upload_bytes_per_s / download_bytes_per_s, the same for every client
+
+
+class LognormalBandwidth(_Section):
+    kind: Literal["lognormal"]
+    sigma: float = Field(1.0, ge=0, allow_inf_nan=False,
+                         description="client c's bandwidths = upload_bytes_per_s and download_bytes_per_s x exp(N(0, "
+                                     "sigma^2)), one factor per client drawn from the run seed (median: the set values)")
+
+
+class FedScaleBandwidth(_Section):
+    kind: Literal["fedscale"]
+    path: str = Field(description="FedScale device-capacity trace (as system.speed.kind=fedscale): each client's "
+                                  "communication (kbit/s) is its upload and its download bandwidth")
+
+
+SpeedConfig = Annotated[Union[ConstantSpeed, LognormalSpeed, CsvSpeed, FedScaleSpeed], Field(discriminator="kind")]
+AvailabilityConfig = Annotated[Union[AlwaysOnline, ProbabilityOnline, CsvOnline, FedScaleOnline],
+                               Field(discriminator="kind")]
+BandwidthConfig = Annotated[Union[ConstantBandwidth, LognormalBandwidth, FedScaleBandwidth], Field(discriminator="kind")]
+_UNION_KINDS = {"system.speed": "constant, lognormal, csv, fedscale",
+                "system.availability": "always, probability, csv, fedscale",
+                "system.bandwidth": "constant, lognormal, fedscale"}
 
 
 class SystemConfig(_Section):
@@ -327,6 +369,10 @@ class SystemConfig(_Section):
     download_bytes_per_s: Optional[float] = Field(
         None, gt=0, description="server -> client bandwidth (bytes/s), the same for every client; None: transfers take no time")
     availability: AvailabilityConfig = AlwaysOnline()
+    bandwidth: BandwidthConfig = Field(
+        default_factory=ConstantBandwidth,
+        description="per-client bandwidth: constant (the two values above), lognormal (them x a seeded factor per "
+                    "client) or fedscale (each client's communication from the device-capacity trace)")
     reference_flops: float = Field(
         1e9, gt=0, allow_inf_nan=False,
         description="FLOP/s a speed-1.0 client sustains; an architecture's seconds per training sample = 6 x MACs / this")
@@ -686,6 +732,20 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
                                          and fed.concurrency == "auto" else "")
                                       + "): with more updates per version than in flight, every version waits for "
                                       "clients that started after it"))
+    for key, value, is_set in (("round_deadline_s", fed.round_deadline_s, fed.round_deadline_s is not None),
+                               ("over_selection", fed.over_selection, fed.over_selection != 1.0)):
+        if is_set and (fed.mode != "sync" or cfg.system is None):
+            issues.append(ConfigIssue(
+                key=f"federation.{key}", value=value,
+                allowed=f"{'null' if key == 'round_deadline_s' else '1'} unless federation.mode is sync with a virtual "
+                f"clock (a system: section): only simulated rounds have finish times to keep or drop updates by "
+                f"(here mode {fed.mode}, {'no system:' if cfg.system is None else 'system: set'})"))
+    if fed.over_selection != 1.0 and math.ceil(fed.over_selection * clients_per_round(cfg)) > fed.num_clients:
+        issues.append(ConfigIssue(
+            key="federation.over_selection", value=fed.over_selection,
+            allowed=f"at most federation.num_clients / ceil(participation x num_clients) = {fed.num_clients} / "
+            f"{clients_per_round(cfg)} = {fed.num_clients / clients_per_round(cfg):g}: ceil(over_selection x "
+            f"{clients_per_round(cfg)}) clients are selected per round"))
     if fed.eval_every > fed.rounds:
         issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
                                   allowed=f"at most federation.rounds ({fed.rounds})"))

@@ -65,6 +65,42 @@ class FederationSpec:
     public_x: Optional[torch.Tensor] = None
 
 
+@dataclass(frozen=True)
+class UpdateSizes:
+    """What one client's local update passes over, for the cost it declares (the virtual clock's
+    work, :meth:`ClientAlgorithm.update_work`): sizes from the partition and the training config."""
+
+    train: int  # samples of the client's training split
+    local_epochs: int  # training.local_epochs
+    batch_size: int  # training.batch_size
+    unlabelled: int = 0  # its separate unlabelled pool (data.partition.unlabelled_per_client), 0 without
+    public: int = 0  # the public proxy set (data.public_size), the same for every client
+    train_class_counts: tuple[int, ...] = ()  # samples of each class in the training split
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Samples that go through the client's model in one local update: ``samples`` of set ``data``
+    (``train``, ``unlabelled``, ``public``: what the docs and tests name), forward and backward
+    (a training step) or forward only (``backward=False``: eval-mode passes, logits, weak views),
+    counted from server version ``from_version`` on (work a method adds in a later phase, e.g.
+    distillation once the server has logits). Passes only ever add work from their version on."""
+
+    data: str
+    samples: int
+    backward: bool
+    from_version: int = 0
+
+
+def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Mini-batches of one epoch of :class:`TrainBatchIterator` over ``n`` samples (a last batch of
+    one sample is folded into the previous one)."""
+    if n <= 0:
+        return 0
+    steps = -(-n // batch_size)
+    return steps - 1 if steps > 1 and n - (steps - 1) * batch_size == 1 else steps
+
+
 @dataclass
 class TrainBatchIterator:
     """Seeded mini-batches over a client's training tensors (the generator state is saved)."""
@@ -270,6 +306,22 @@ class ClientAlgorithm:
         if protos is None:
             protos = local_prototypes(model, x, y)  # FedSA Eq. 2, eval mode after training
         return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y), prototypes=protos)
+
+    # -- declared cost -----------------------------------------------------------------------
+    @classmethod
+    def update_work(cls, options: Options, sizes: UpdateSizes) -> list[Pass]:
+        """The work of one local update, as passes over the client's data: the virtual clock
+        (``rayfed_proto.system``) charges each sample of a forward-backward pass one training
+        sample's cost and each forward-only sample a third of it. A method that does more than
+        the default hooks (distillation, extra views, extra eval passes) overrides this.
+
+        Default, the default :meth:`local_train` and :meth:`make_update`: ``local_epochs`` passes of
+        forward-backward over the training split, plus one eval-mode forward pass over it when the
+        uploaded prototypes come from one (:meth:`prototype_source` ``eval``)."""
+        work = [Pass("train", sizes.local_epochs * sizes.train, backward=True)]
+        if getattr(options, "prototype_source", "eval") == "eval":
+            work.append(Pass("train", sizes.train, backward=False))  # local_prototypes after training
+        return work
 
     # -- inference ---------------------------------------------------------------------------
     def inference_bank(self) -> Optional[PrototypeSet]:

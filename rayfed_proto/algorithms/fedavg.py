@@ -39,7 +39,9 @@ from rayfed_proto.algorithms.base import (
     Algorithm,
     ClientAlgorithm,
     Options,
+    Pass,
     ServerAlgorithm,
+    UpdateSizes,
     as_numpy_state,
     load_numpy_state,
 )
@@ -99,6 +101,12 @@ class FedAvgClient(ClientAlgorithm):
         # snapshot is taken here, where only a training call comes)
         self._start = as_numpy_state(model) if self.options.async_policy == "fedbuff" else None
         return super().local_train(model, optimizer, batches, epochs, device)
+
+    @classmethod
+    def update_work(cls, options, sizes: UpdateSizes) -> list[Pass]:
+        """Local epochs of forward-backward over the training split; the upload is the weights
+        (no prototype pass)."""
+        return [Pass("train", sizes.local_epochs * sizes.train, backward=True)]
 
     def make_update(self, model, x, y) -> ClientUpdate:
         weights = as_numpy_state(model)

@@ -59,9 +59,11 @@ from rayfed_proto.algorithms.base import (
     ClientAlgorithm,
     FederationSpec,
     Options,
+    Pass,
     ServerAlgorithm,
     StepTally,
     TrainBatchIterator,
+    UpdateSizes,
     guarded_step,
 )
 from rayfed_proto.algorithms.common import (
@@ -335,6 +337,18 @@ class FedProtoKDClient(ClientAlgorithm):
         if kd:
             terms["nonfinite_steps"] += kd.pop("distill_nonfinite_steps")
         return {**terms, **kd}
+
+    @classmethod
+    def update_work(cls, options: FedProtoKDOptions, sizes: UpdateSizes) -> list[Pass]:
+        """Private epochs (forward-backward over the training split); ``client_distill_epochs``
+        forward-backward passes over the public set (Eq. 13-14), from version 1 on (version 0's
+        broadcast has no server logits to distil from); the upload's eval-mode passes: logits on
+        the public set and the local prototypes over the training split (Eq. 1)."""
+        work = [Pass("train", sizes.local_epochs * sizes.train, backward=True)]
+        if options.client_distill_epochs > 0:
+            work.append(Pass("public", options.client_distill_epochs * sizes.public, backward=True, from_version=1))
+        work += [Pass("public", sizes.public, backward=False), Pass("train", sizes.train, backward=False)]
+        return work
 
     def make_update(self, model, x, y) -> ClientUpdate:
         device = next(model.parameters()).device

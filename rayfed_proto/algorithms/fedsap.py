@@ -78,10 +78,13 @@ from rayfed_proto.algorithms.base import (
     Algorithm,
     ClientAlgorithm,
     Options,
+    Pass,
     PrototypeOptions,
     PrototypeServer,
     StepTally,
     TrainBatchIterator,
+    UpdateSizes,
+    steps_per_epoch,
 )
 from rayfed_proto.algorithms.common import alignment_loss, bank_tensors, masked_cross_entropy
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
@@ -431,6 +434,31 @@ class FedSAPClient(ClientAlgorithm):
         if self.thresholds is not None:
             out.update(pseudo_margin_threshold=self.thresholds[0], pseudo_distance_threshold=self.thresholds[1])
         return out
+
+    @classmethod
+    def update_work(cls, options: FedSAPOptions, sizes: UpdateSizes) -> list[Pass]:
+        """Fully supervised: the default. Semi-supervised: local epochs of forward-backward over the
+        labelled part (the whole split with a separate pool, else the split less its hidden labels)
+        and the upload's eval-mode pass over it (Eq. 14); from version T_sup on, every step also
+        takes ``unlabelled_batch_ratio`` x batch_size unlabelled samples through a forward-only weak
+        view (Eq. 10) and a forward-backward strong view (Eq. 12). Not charged: the one-off
+        calibration pass (Eq. 11) and the re-embedding of the accepted samples (data-dependent)."""
+        semi = options.semi_supervised
+        if semi is None:
+            return super().update_work(options, sizes)
+        if sizes.unlabelled > 0:
+            labelled, pool = sizes.train, sizes.unlabelled
+        else:  # the split's hidden part, as stratified_unlabelled_mask hides it
+            pool = sum(min(math.floor(semi.unlabelled_fraction * n), n - 1) for n in sizes.train_class_counts if n > 0)
+            labelled = sizes.train - pool
+        work = [Pass("train", sizes.local_epochs * labelled, backward=True), Pass("train", labelled, backward=False)]
+        if pool > 0:
+            views = sizes.local_epochs * steps_per_epoch(labelled, sizes.batch_size) * min(
+                sizes.batch_size * semi.unlabelled_batch_ratio, pool)
+            data = "unlabelled" if sizes.unlabelled > 0 else "train"
+            work += [Pass(data, views, backward=False, from_version=semi.supervised_versions),  # weak view
+                     Pass(data, views, backward=True, from_version=semi.supervised_versions)]  # strong view
+        return work
 
     def make_update(self, model, x: torch.Tensor, y: torch.Tensor) -> ClientUpdate:
         semi = self.options.semi_supervised

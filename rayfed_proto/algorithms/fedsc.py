@@ -48,7 +48,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from rayfed_proto.algorithms import ALGORITHMS
-from rayfed_proto.algorithms.base import Algorithm
+from rayfed_proto.algorithms.base import Algorithm, Pass, UpdateSizes
 from rayfed_proto.algorithms.common import (
     LatestUploads,
     PrototypeBank,
@@ -340,6 +340,12 @@ class FedSCClient(FedAvgClient):
         if o.cpdr_weight > 0:
             total = total + o.cpdr_weight * cpdr
         return total, {"ce": ce.detach(), "rpcl": rpcl.detach(), "cpdr": cpdr.detach()}
+
+    @classmethod
+    def update_work(cls, options, sizes: UpdateSizes) -> list[Pass]:
+        """FedAvg's local epochs plus the eval-mode pass over the training split for the local
+        prototypes (Eq. 3-4)."""
+        return [*super().update_work(options, sizes), Pass("train", sizes.train, backward=False)]
 
     def make_update(self, model, x, y) -> ClientUpdate:
         update = super().make_update(model, x, y)  # weights (FedAvg path)

@@ -226,9 +226,11 @@ def _run_experiment(cfg: ExperimentConfig, *, folder_locks, progress: bool = Tru
         restore_signals()
         if run.bar is not None:
             run.bar.close()
-        run.tracker.end(status)
-        _release_actors(run)
-        run.store.release_cache()  # a remote checkpoint store's staging copy in the temp folder
+        try:
+            run.tracker.end(status)
+        finally:  # MLflow unreachable at the end: the actors and the autoscaler request are released all the same
+            _release_actors(run)
+            run.store.release_cache()  # a remote checkpoint store's staging copy in the temp folder
 
 
 def _release_actors(run: _Run) -> None:
@@ -319,10 +321,12 @@ def _start_ray_and_workers(run: _Run) -> None:
     cfg = run.cfg
     run.tracker = make_tracker(cfg.tracking)
     ensure_ray(cfg)
-    total = capacity(cfg.resources).totals()
-    run.plan = plan_resources(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0))
+    cap = capacity(cfg.resources)
+    total = cap.totals()
+    # per node: each bundle must fit on one node of those the cluster has or will have (refused in seconds if not)
+    run.plan = plan_resources(cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), nodes=cap.planning_nodes)
     run.fleet = ActorFleet(cfg.to_dict(), run.plan, cfg.federation, name=f"{uuid.uuid4().hex[:8]}", cluster=total)
-    run.fleet.store = run.store
+    run.fleet.store, run.fleet.run_dir = run.store, run.out
     try:
         run.fleet.start_workers()
     except BaseException:
@@ -554,6 +558,8 @@ def _finish(run: _Run, final_version: int) -> RunResult:
         scheduler.recovery.checkpoint()  # before the counters: a failure here is counted too
     tracker.log_metrics(_end_counters(run.history, final_version,
                                       {names.FEDERATION_UPDATES_WITHHELD_AFTER_END: scheduler.stats.withheld,
+                                       # at each evaluation it is the count as of that version (round_metrics)
+                                       names.FEDERATION_UPDATES_DROPPED_OFFLINE: scheduler.stats.updates_dropped_offline,
                                        **_reliability_metrics(scheduler)})
                         | ({names.FEDERATION_STARTUP_S: startup} if startup is not None else {}), step=final_version)
     if run.bar is not None:
@@ -572,6 +578,9 @@ def _finish(run: _Run, final_version: int) -> RunResult:
         "clients": f"{fed.num_clients} ({fed.mode}, {concurrency}, {run.plan.num_actors} client actors)",
         **({"startup (run start to first update)": f"{startup:.1f} s"} if startup is not None else {}),
         **({"checkpoints": _checkpoint_summary(scheduler.stats, run.store)} if cfg.checkpoint.every else {}),
+        **({"updates dropped offline": f"{scheduler.stats.updates_dropped_offline} of {scheduler.stats.dispatched} "
+                                       "dispatched (client offline before the update finished)"}
+           if scheduler.policy.clock is not None else {}),
         "MLflow run": f"{run.run_id} @ {tracker.uri}" if run.run_id else "tracking disabled",
     })
     (run.out / "summary.txt").write_text(summary + "\n")
@@ -596,6 +605,8 @@ def _write_participation(run: _Run) -> None:
     system = run.scheduler.policy.clock.system if run.scheduler.policy.clock is not None else None
     if system is not None:
         frame["speed"], frame["compute_s"] = system.speeds, system.compute_s
+        dropped = run.scheduler.stats.client_dropped_offline
+        frame["dropped_offline"] = [dropped.get(c, 0) for c in range(n)]  # of its updates, lost offline
     frame.to_csv(run.out / "client_updates.csv", index=False)
     run.tracker.log_artifact(run.out / "client_updates.csv")
     run.tracker.log_artifact(plots.plot_client_updates(frame, run.out / "client_updates.png"), "plots")
@@ -634,9 +645,19 @@ def _system_model(cfg: ExperimentConfig, partition, num_classes: int, channels: 
     """The clients' system profiles (virtual clock), or None for wall-clock mode (``system: null``)."""
     if getattr(cfg, "system", None) is None:
         return None
+    from rayfed_proto.algorithms import ALGORITHMS
+    from rayfed_proto.algorithms.base import UpdateSizes
     from rayfed_proto.system import SystemModel
 
-    return SystemModel.from_config(cfg, [len(s.train_idx) for s in partition.clients], channels, image_size, num_classes)
+    # the work one local update declares (the run's method, whichever it is), per client
+    client_cls, options = ALGORITHMS.get(cfg.algorithm.name).Client, cfg.algorithm_options()
+    work = [client_cls.update_work(options, UpdateSizes(
+        train=len(s.train_idx), local_epochs=cfg.training.local_epochs, batch_size=cfg.training.batch_size,
+        unlabelled=len(s.unlabelled_idx), public=len(partition.public_idx),
+        train_class_counts=tuple(int(n) for n in np.bincount(partition.labels[s.train_idx], minlength=num_classes))))
+        for s in partition.clients]
+    return SystemModel.from_config(cfg, [len(s.train_idx) for s in partition.clients], channels, image_size, num_classes,
+                                   work=work)
 
 
 def _alive_infos(handles: list) -> list[dict[str, Any]]:
@@ -668,6 +689,7 @@ def _record_failure(tracker, scheduler, history: list[dict[str, Any]], out: Path
     except Exception as e:  # the server is gone: the scheduler's own counters still go out
         log.warning("server counters unavailable at failure: %s", e)
     counters[names.FEDERATION_UPDATES_DISPATCHED] = scheduler.stats.dispatched
+    counters[names.FEDERATION_UPDATES_DROPPED_OFFLINE] = scheduler.stats.updates_dropped_offline
     tracker.log_metrics(counters, step=scheduler.version)
     tracker.set_tags({"failure_reason": reason[:5000]})
     if history:

@@ -45,6 +45,7 @@ class _Running:
     counters: tuple
     results: list = field(default_factory=list)
     incomplete: bool = False  # a worker died: some clients' results are missing
+    done: bool = False  # every part answered; logged once no earlier version is still running
 
 
 class Evaluations:
@@ -154,7 +155,7 @@ class Evaluations:
         self._part_done(version)
 
     def part_lost(self, version: int) -> None:
-        if version in self.running:
+        if version in self.running and not self.running[version].done:
             self.running[version].incomplete = True
             self._part_done(version)
 
@@ -163,7 +164,13 @@ class Evaluations:
         run.parts -= 1
         if run.parts:
             return
-        del self.running[version]
+        run.done = True
+        # logged in version order, whichever worker answers first: the history (and on_eval) never
+        # depends on how fast the workers were
+        while self.running and self.running[first := min(self.running)].done:
+            self._log(first, self.running.pop(first))
+
+    def _log(self, version: int, run: _Running) -> None:
         stats, wall, sim, server_stats = run.counters
         if not isinstance(server_stats, dict):
             try:

@@ -14,7 +14,9 @@ policy it runs, and :func:`make_policy` is the only reader of ``federation.mode`
 * :class:`VirtualAsync`: the same federation in simulated time (``system:`` profiles): updates
   are handed to the server strictly in order of simulated finish time
   (:mod:`rayfed_proto.runtime.simclock`), so a run's results do not depend on real timing.
-  :class:`SyncRounds` takes the clock too: a round lasts as long as its slowest client.
+  :class:`SyncRounds` takes the clock too: a round lasts as long as its slowest client, or, with
+  ``federation.round_deadline_s`` / ``over_selection`` (FedScale), until its deadline or its first
+  K finished updates (the rest dropped and counted).
 
 Adding a policy: write a class with the methods of :class:`FederationPolicy` here and a branch in
 :func:`make_policy` (and the config value that selects it); docs/architecture.md shows one.
@@ -81,6 +83,10 @@ class Port(Protocol):
 
     def lost_at_server(self, n: int) -> None: ...  # updates back but never handed over (a server died)
 
+    def dropped_offline(self, client: int, meta: dict[str, Any]) -> None: ...  # its client went offline before it finished
+
+    def dropped_by_round(self, client: int, meta: dict[str, Any], reason: str) -> None: ...  # sync: "deadline" | "over_selection"
+
 
 class FederationPolicy(Protocol):
     needs: ServerNeeds
@@ -115,7 +121,8 @@ def make_policy(federation, system, *, seed: int, real_slots: int) -> Federation
     # ceil(rho N), as config.clients_per_round: a sync round's sample, and the virtual clock's default concurrency
     per_round = max(1, math.ceil(federation.participation * federation.num_clients))
     if federation.mode == "sync":
-        return SyncRounds(federation.num_clients, per_round, rng, clock)
+        return SyncRounds(federation.num_clients, per_round, rng, clock,
+                          deadline_s=federation.round_deadline_s, over_selection=federation.over_selection)
     needs = ServerNeeds(federation.buffer_size, background=clock is None, max_staleness=federation.max_staleness)
     if clock is None:
         return AsyncSlots(federation.num_clients, real_slots, needs, rng)
@@ -184,9 +191,17 @@ class SyncRounds(_Policy):
     """A round: sample ceil(rho N) clients (online ones, with a virtual clock), dispatch them all;
     once every update is submitted (or lost), ask the server to step."""
 
-    def __init__(self, num_clients: int, per_round: int, rng: np.random.Generator, clock: Optional[VirtualClock]):
+    def __init__(self, num_clients: int, per_round: int, rng: np.random.Generator, clock: Optional[VirtualClock],
+                 deadline_s: Optional[float] = None, over_selection: float = 1.0):
         self.num_clients, self.per_round, self.rng, self.clock = num_clients, per_round, rng, clock
-        self.concurrency = per_round  # updates a round has in flight
+        # FedScale's deadline and over-commitment (virtual clock only; config refuses them otherwise):
+        # select ceil(factor x K), keep the first K to finish by round start + deadline_s, drop the rest
+        self.deadline_s = math.inf if deadline_s is None else float(deadline_s)
+        self.selected = min(num_clients, math.ceil(over_selection * per_round))
+        self.selective = clock is not None and (deadline_s is not None or self.selected > per_round)
+        self.kept = 0  # selective: updates of the running round submitted so far
+        self.round_start = 0.0  # virtual clock: when the running round started
+        self.concurrency = self.selected  # updates a round has in flight
         self.needs = ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf)
         self.outstanding = 0  # dispatched in this round, receipt not back yet
         self.in_round = False  # a round is running (its step not yet asked for)
@@ -203,9 +218,9 @@ class SyncRounds(_Policy):
                 online = self.clock.online(pool)
             pool = online
         if len(pool) == self.num_clients:  # the unchanged draw when everyone can be sampled: resumed and
-            chosen = self.rng.choice(self.num_clients, size=self.per_round, replace=False)  # uninterrupted runs alike
+            chosen = self.rng.choice(self.num_clients, size=self.selected, replace=False)  # uninterrupted runs alike
         else:
-            chosen = self.rng.choice(np.array(pool), size=min(self.per_round, len(pool)), replace=False)
+            chosen = self.rng.choice(np.array(pool), size=min(self.selected, len(pool)), replace=False)
         return sorted(int(c) for c in chosen)
 
     def fill(self) -> None:
@@ -215,17 +230,27 @@ class SyncRounds(_Policy):
         # worker goes from one client to the next without waiting for the driver.
         chosen = self._sample()
         self.in_round, self.outstanding = True, len(chosen)
-        self.round_end = self.clock.now if self.clock is not None else 0.0
+        self.round_end = self.round_start = self.clock.now if self.clock is not None else 0.0
+        self.kept = 0
         for c in chosen:
             p = self.port.dispatch(c)
             if self.clock is not None:
-                p.entry = self.clock.start(c, p)
+                p.entry = self.clock.start(c, p, self.port.version)
 
     def on_update(self, p: Pending, meta: dict[str, Any]) -> None:
+        if self.selective:
+            self.clock.finish(p.entry, meta, p)  # decided in simulated finish order
+            self._release()
+            return
         if p.entry is not None:
             self.clock.finish(p.entry, meta, None)
-            self.round_end = max(self.round_end, p.entry.finish)
+            self.round_end = max(self.round_end, p.entry.finish)  # a dropped one: until its client went offline
             self.clock.drop(p.entry)
+            if p.entry.dropped:  # lost: the round goes on without it, as without a lost actor's update
+                self.port.dropped_offline(p.client, meta)
+                self.outstanding -= 1
+                self._maybe_step()
+                return
         self.port.account(p.client, meta)
         self.port.submit(p, meta)
         self.submitted += 1
@@ -238,6 +263,36 @@ class SyncRounds(_Policy):
         if p.entry is not None:
             self.clock.drop(p.entry)
         self.outstanding -= 1  # the round goes on without this update
+        if self.selective:
+            self._release()  # the lost one may have held back an update that finished after it
+        self._maybe_step()
+
+    def _release(self) -> None:
+        """Deadline / over-selection: decide the round's updates in simulated finish order, each once
+        every update still running is known to finish after it. The first ``per_round`` that finish
+        by round start + ``deadline_s`` are submitted; the round closes at the last of them, or at
+        the deadline when one was too late. The others are dropped and counted (never submitted:
+        the server never sees them; their clients keep the local training, as after a refused update)."""
+        deadline_at = self.round_start + self.deadline_s
+        while (e := self.clock.first()) is not None and e.exact:
+            self.clock.drop(e)
+            p = e.update
+            if self.kept >= self.per_round:  # the round closed at the K-th finish, before this one
+                self.port.dropped_by_round(e.client, e.meta, "over_selection")
+            elif e.finish > deadline_at:
+                self.round_end = max(self.round_end, deadline_at)
+                self.port.dropped_by_round(e.client, e.meta, "deadline")
+            elif e.dropped:  # its client went offline before it finished
+                self.round_end = max(self.round_end, e.finish)
+                self.port.dropped_offline(e.client, e.meta)
+            else:
+                self.round_end = max(self.round_end, e.finish)
+                self.kept += 1
+                self.port.account(p.client, e.meta)
+                self.port.submit(p, e.meta)
+                self.submitted += 1
+                continue
+            self.outstanding -= 1
         self._maybe_step()
 
     def _maybe_step(self) -> None:
@@ -335,7 +390,7 @@ class VirtualAsync(_Policy):
                 continue
             c = int(self.rng.choice(online))
             p = self.port.dispatch(c)
-            p.entry = self.clock.start(c, p)
+            p.entry = self.clock.start(c, p, self.port.version)
 
     def fill(self) -> None:
         """Dispatch up to the simulated concurrency, then hand over every update known to be next
@@ -345,6 +400,10 @@ class VirtualAsync(_Policy):
             e = self.clock.pop_ready()
             if e is None:
                 return
+            if e.dropped:  # its client went offline first: lost there, the slot is free at that instant
+                self.port.dropped_offline(e.client, e.meta)
+                self._dispatch_free_slots()
+                continue
             self.port.account(e.client, e.meta)  # counters move in simulated order, not in the order work returned
             if not self.port.hand_over(e.update, e.client, e.meta):
                 return  # the server died: the policy was told (server_restarted)
@@ -367,7 +426,7 @@ class VirtualAsync(_Policy):
         return self.buffered
 
     def held_back(self) -> int:
-        return sum(1 for e in self.clock.entries.values() if e.exact)
+        return sum(1 for e in self.clock.entries.values() if e.exact and not e.dropped)
 
     def server_restarted(self, version: int) -> None:
         # updates back but not handed over trained against versions that no longer exist

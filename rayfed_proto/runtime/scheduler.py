@@ -62,6 +62,10 @@ class SchedulerStats:
     versions_empty: int = 0  # sync: versions whose round had no accepted update (aggregated nothing)
     client_updates: dict[int, int] = field(default_factory=dict)  # client -> local updates dispatched to it
     excluded: list[int] = field(default_factory=list)  # clients dropped from sampling after repeated failures
+    updates_dropped_offline: int = 0  # virtual clock: lost because the client went offline before they finished
+    client_dropped_offline: dict[int, int] = field(default_factory=dict)  # client -> its updates dropped offline
+    updates_dropped_deadline: int = 0  # sync, virtual clock: would finish after federation.round_deadline_s
+    updates_dropped_over_selection: int = 0  # sync, virtual clock: finished after the round's first K (over_selection)
 
 
 @dataclass
@@ -171,6 +175,29 @@ class Scheduler:
 
     def lost_at_server(self, n: int) -> None:
         self.stats.updates_lost_server += n
+
+    def dropped_offline(self, client: int, meta: dict[str, Any]) -> None:
+        """A local update lost because its client went offline before it finished (virtual clock):
+        never submitted. The client did train (busy time, download counted); its upload never
+        completed (not counted), and its model keeps the training, as after a refused update."""
+        self.stats.updates_dropped_offline += 1
+        self.stats.client_dropped_offline[client] = self.stats.client_dropped_offline.get(client, 0) + 1
+        self.stats.busy_s += meta["busy_s"]
+        self.stats.bytes_down += meta["download_bytes"]
+
+    def dropped_by_round(self, client: int, meta: dict[str, Any], reason: str) -> None:
+        """A sync round's update dropped by its deadline or because the first K of an over-selected
+        round had finished (virtual clock): never submitted, so the server never sees it. The client
+        did train (busy time, download counted; its upload never counted), and its model keeps the
+        training, as after a refused update."""
+        if reason == "deadline":
+            self.stats.updates_dropped_deadline += 1
+        elif reason == "over_selection":
+            self.stats.updates_dropped_over_selection += 1
+        else:
+            raise ValueError(f"reason must be deadline or over_selection, got {reason!r}")
+        self.stats.busy_s += meta["busy_s"]
+        self.stats.bytes_down += meta["download_bytes"]
 
     # ---------------------------------------------------------------------------- the loop
     def run(self) -> int:
@@ -321,7 +348,8 @@ class Scheduler:
         if self.policy.clock is not None:
             server_stats = ray.get(server_stats)
         stats = dataclasses.replace(self.stats, last_terms=dict(self.stats.last_terms),
-                                    client_updates=dict(self.stats.client_updates))
+                                    client_updates=dict(self.stats.client_updates),
+                                    client_dropped_offline=dict(self.stats.client_dropped_offline))
         return stats, self.wall(), self.policy.sim_now(), server_stats
 
     def _launch_eval(self, version: int, state_ref, as_of: dict[int, int]) -> int:
@@ -359,6 +387,7 @@ class Scheduler:
         self.policy.rng.bit_generator.state = state["rng"]
         self.stats = SchedulerStats(**state["stats"])
         self.stats.last_terms = {int(c): t for c, t in self.stats.last_terms.items()}
+        self.stats.client_dropped_offline = {int(c): n for c, n in self.stats.client_dropped_offline.items()}
         self.evals.stats = self.stats
         self.started = time.perf_counter() - float(state["wall_s"])
         self.recovery.failures = {int(c): n for c, n in state["failures"].items()}

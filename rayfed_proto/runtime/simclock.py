@@ -20,6 +20,7 @@ a run's results.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -40,6 +41,9 @@ class SimEntry:
     token: Any = None  # the scheduler's handle for the real computation (its metadata ref)
     update: Any = None  # the update (ref, or the object itself in a checkpoint), once back
     meta: Optional[dict[str, Any]] = None
+    version: int = 0  # the server version it trains against (its method's declared work for it)
+    offline_at: float = math.inf  # when its client goes offline (the end of the window it started in)
+    dropped: bool = False  # exact: it would finish after offline_at, so it is lost there (``finish`` = offline_at)
 
     def key(self) -> tuple[float, int]:
         return (self.finish, self.seq)
@@ -76,15 +80,26 @@ class VirtualClock:
         self.now = max(self.now, float(t))
 
     # ------------------------------------------------------------------ updates
-    def start(self, client: int, token: Any) -> SimEntry:
-        e = SimEntry(self.seq, client, self.now, self.now + float(self.system.compute_s[client]), token=token)
+    def start(self, client: int, token: Any, version: int = 0) -> SimEntry:
+        """A local update of ``client`` against server ``version`` starts now (its compute time is the
+        work its method declares for that version)."""
+        offline = getattr(self.system, "offline_at", None)  # a system without windows (test doubles): never
+        offline_at = float(offline(client, self.now)) if offline is not None else math.inf
+        e = SimEntry(self.seq, client, self.now, min(self.now + self.system.compute_at(client, version), offline_at),
+                     token=token, version=version, offline_at=offline_at)
         self.entries[e.seq] = e
         self.seq += 1
         return e
 
     def finish(self, entry: SimEntry, meta: dict[str, Any], update: Any) -> None:
-        """The real computation returned: its transfer sizes make the finish time exact."""
-        entry.finish = entry.start + self.system.update_duration(entry.client, meta["download_bytes"], meta["upload_bytes"])
+        """The real computation returned: its transfer sizes make the finish time exact. The dropout
+        rule: an update that would finish after its client goes offline (``offline_at``, the end of
+        the window it started in) is lost at ``offline_at``: ``dropped``, released then. Its key
+        before (min of start + compute and offline_at) stays a lower bound of that release time."""
+        done = entry.start + self.system.update_duration(entry.client, meta["download_bytes"], meta["upload_bytes"],
+                                                         version=entry.version)
+        entry.dropped = done > entry.offline_at
+        entry.finish = min(done, entry.offline_at)
         entry.exact, entry.meta, entry.update = True, meta, update
 
     def first(self) -> Optional[SimEntry]:
@@ -115,7 +130,9 @@ class VirtualClock:
         checkpoint waits for that; one still running at the very end of a run is left out);
         ``resolve`` turns an update ref into the update."""
         pending = [{"seq": e.seq, "client": e.client, "start": e.start, "finish": e.finish, "meta": e.meta,
-                    "update": resolve(e.update)} for e in self.entries.values() if e.exact]
+                    "offline_at": e.offline_at, "dropped": e.dropped,
+                    "update": None if e.dropped else resolve(e.update)}  # a dropped one never reaches the server
+                   for e in self.entries.values() if e.exact]
         return {"now": self.now, "seq": self.seq, "rng": self.rng.bit_generator.state, "pending": pending}
 
     def load_state_dict(self, state: dict[str, Any], store) -> None:
@@ -124,6 +141,8 @@ class VirtualClock:
         self.rng.bit_generator.state = state["rng"]
         self.entries = {}
         for p in state["pending"]:
+            dropped = bool(p.get("dropped", False))  # absent: a checkpoint from before the dropout rule
             e = SimEntry(int(p["seq"]), int(p["client"]), float(p["start"]), float(p["finish"]), exact=True,
-                         meta=p["meta"], update=store(p["update"]))
+                         meta=p["meta"], update=None if dropped else store(p["update"]),
+                         offline_at=float(p.get("offline_at", math.inf)), dropped=dropped)
             self.entries[e.seq] = e

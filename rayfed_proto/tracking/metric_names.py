@@ -19,8 +19,16 @@ Sections (docs/concepts.md "Metrics" lists every name):
   figure or a runtime counter;
 * ``federation/``, ``reliability/``, ``system/``: traffic and update flow, failures survived,
   actors' memory;
-* ``client/<id>/<series>`` (:func:`client_series`), ``model/<name>/<key>`` (:func:`model_metric`),
-  ``best/<metric>`` and ``sweep/`` (the sweep's parent run).
+* ``zz_client/<series>/client_<id>`` (:func:`client_series`), ``model/<name>/<key>``
+  (:func:`model_metric`), ``best/<metric>`` and ``sweep/`` (the sweep's parent run).
+
+Why ``zz_client``: the MLflow UI makes one chart section per key *prefix* (everything before the
+last ``/``) and sorts the sections as plain text, with the run's Model metrics tab opening on the
+first. Under ``client/<id>/...`` twenty clients made twenty sections that sorted before ``eval/``
+(issue 26). A metric key may only hold letters, digits, ``_ - . / :`` and spaces, so no punctuation
+sorts after the lowercase section names; ``zz_`` does. The series of all clients share one section
+per series (``zz_client/head_acc``), last on the page. A client's constant test-split size is the
+run parameter ``client.test_samples`` (a list by client id), not a flat chart.
 
 ``version`` (the step) is a history column, never a metric.
 
@@ -38,7 +46,9 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-SCHEMA_VERSION = "2"  # run tag rayfed_proto.metric_names: "2" = namespaced keys (absent: the flat keys)
+# run tag rayfed_proto.metric_names: "3" = today's names; "2" = namespaced keys with client/<id>/<series> and
+# eval/clients_nonfinite (RENAMED); absent: the flat keys (LEGACY)
+SCHEMA_VERSION = "3"
 SCHEMA_TAG = "rayfed_proto.metric_names"
 
 VERSION = "version"  # the step: a column of the history, never a metric
@@ -52,7 +62,6 @@ EVAL_PROTO_ACC = "eval/proto_acc"
 EVAL_PROTO_ACC_MEAN = "eval/proto_acc_mean"
 EVAL_PROTO_ACC_STD = "eval/proto_acc_std"
 EVAL_SILHOUETTE_MEAN = "eval/silhouette_mean"
-EVAL_CLIENTS_NONFINITE = "eval/clients_nonfinite"
 EVAL_GLOBAL_ACC = "eval/global_acc"  # server_metric("global_acc"); also global_acc_<domain>, global_acc_domain_mean
 EVAL_GLOBAL_ACC_DOMAIN_MEAN = "eval/global_acc_domain_mean"
 # ------------------------------------------------------------------------------ server/ (the runtime's own)
@@ -79,6 +88,9 @@ FEDERATION_TIME_TO_TARGET_SIM_S = "federation/time_to_target_sim_s"  # tracking.
 FEDERATION_TIME_TO_TARGET_WALL_S = "federation/time_to_target_wall_s"
 FEDERATION_STARTUP_S = "federation/startup_s"  # run start (a process's first run: process start) to the first update
 FEDERATION_VERSIONS_EMPTY = "federation/versions_empty"  # sync versions that aggregated nothing
+FEDERATION_UPDATES_DROPPED_OFFLINE = "federation/updates_dropped_offline"  # client offline before its update finished
+FEDERATION_UPDATES_DROPPED_DEADLINE = "federation/updates_dropped_deadline"  # sync: after federation.round_deadline_s
+FEDERATION_UPDATES_DROPPED_OVER_SELECTION = "federation/updates_dropped_over_selection"  # sync: after the first K
 # ------------------------------------------------------------------------------ reliability/
 RELIABILITY_CLIENT_FAILURES = "reliability/client_failures"
 RELIABILITY_CLIENT_ACTOR_RESTARTS = "reliability/client_actor_restarts"
@@ -90,6 +102,7 @@ RELIABILITY_EVALS_INCOMPLETE = "reliability/evals_incomplete"
 RELIABILITY_CLIENTS_EXCLUDED = "reliability/clients_excluded"
 RELIABILITY_CHECKPOINTS_WRITTEN = "reliability/checkpoints_written"
 RELIABILITY_CHECKPOINTS_FAILED = "reliability/checkpoints_failed"
+RELIABILITY_CLIENTS_NONFINITE = "reliability/clients_nonfinite"  # models with NaN/inf test features (a count, not a score)
 # ------------------------------------------------------------------------------ system/ (actors' memory at the end)
 SYSTEM_CLIENT_PEAK_RSS_MIB_MAX = "system/actors/client_peak_rss_mib_max"
 SYSTEM_CLIENT_PSS_MIB_MAX = "system/actors/client_pss_mib_max"
@@ -100,7 +113,9 @@ SYSTEM_SERVER_PSS_MIB = "system/actors/server_pss_mib"
 SWEEP_TRIALS = "sweep/trials"
 SWEEP_TRIALS_ERRORED = "sweep/trials_errored"
 
-CLIENT_SERIES = ("head_acc", "proto_acc", "train_loss", "samples")  # client/<id>/<series>
+CLIENT_SECTION = "zz_client"  # sorts after every other section in the MLflow UI (module docstring)
+CLIENT_SERIES = ("head_acc", "proto_acc", "train_loss")  # zz_client/<series>/client_<id>
+CLIENT_TEST_SAMPLES_PARAM = "client.test_samples"  # run param: each client's test-split size, by client id
 ACTOR_MEMORY = ("peak_rss_mib", "pss_mib")  # system/actors/client_actor_<a>_<figure>
 
 # every fixed name above (the functions below make the others)
@@ -128,8 +143,9 @@ def server_metric(key: str) -> str:
 
 
 def client_series(client_id: int, series: str) -> str:
-    """One client's series: ``client_series(3, "head_acc") -> "client/3/head_acc"``."""
-    return f"client/{int(client_id)}/{series}"
+    """One client's series: ``client_series(3, "head_acc") -> "zz_client/head_acc/client_3"`` (the
+    UI section ``zz_client/head_acc`` holds every client's ``head_acc``, and sorts last)."""
+    return f"{CLIENT_SECTION}/{series}/client_{int(client_id)}"
 
 
 def model_metric(model: str, key: str) -> str:
@@ -148,7 +164,7 @@ def sweep_best(metric: str) -> str:
 
 
 _MADE = re.compile("|".join((r"train/[^/]+", r"server/(aggregate/)?[^/]+", r"eval/global_acc[^/]*",
-                              rf"client/\d+/({'|'.join(CLIENT_SERIES)})", r"model/[^/]+/[^/]+",
+                              rf"{CLIENT_SECTION}/({'|'.join(CLIENT_SERIES)})/client_\d+", r"model/[^/]+/[^/]+",
                               rf"system/actors/client_actor_\d+_({'|'.join(ACTOR_MEMORY)})", r"best/.+")))
 
 
@@ -162,7 +178,7 @@ def is_name(key: str) -> bool:
 LEGACY: dict[str, str] = {
     "head_acc": EVAL_HEAD_ACC, "head_acc_mean": EVAL_HEAD_ACC_MEAN, "head_acc_std": EVAL_HEAD_ACC_STD,
     "proto_acc": EVAL_PROTO_ACC, "proto_acc_mean": EVAL_PROTO_ACC_MEAN, "proto_acc_std": EVAL_PROTO_ACC_STD,
-    "silhouette_mean": EVAL_SILHOUETTE_MEAN, "clients_nonfinite": EVAL_CLIENTS_NONFINITE,
+    "silhouette_mean": EVAL_SILHOUETTE_MEAN, "clients_nonfinite": RELIABILITY_CLIENTS_NONFINITE,
     "proto_margin_min": SERVER_PROTO_MARGIN_MIN, "proto_margin_mean": SERVER_PROTO_MARGIN_MEAN,
     "server_train_s": SERVER_TRAIN_S, "versions_rolled_back": SERVER_VERSIONS_ROLLED_BACK,
     "bytes_up": FEDERATION_BYTES_UP, "bytes_down": FEDERATION_BYTES_DOWN,
@@ -186,11 +202,32 @@ LEGACY: dict[str, str] = {
 }
 
 
+# names of schema "2" (0.2.x) renamed since (issue 26): readers translate them like the flat names
+RENAMED: dict[str, str] = {"eval/clients_nonfinite": RELIABILITY_CLIENTS_NONFINITE}
+_OLD_CLIENT = re.compile(rf"client/(\d+)/({'|'.join(CLIENT_SERIES)})")
+_NEW_CLIENT = re.compile(rf"{CLIENT_SECTION}/({'|'.join(CLIENT_SERIES)})/client_(\d+)")
+
+
+def schema2_name(name: str) -> str:
+    """Today's name -> the name a schema-"2" run logged it under (the inverse of :data:`RENAMED`
+    and of the old ``client/<id>/<series>`` form); other names unchanged."""
+    back = {v: k for k, v in RENAMED.items()}
+    if name in back:
+        return back[name]
+    m = _NEW_CLIENT.fullmatch(name)
+    return f"client/{m.group(2)}/{m.group(1)}" if m else name
+
+
 def mlflow_key(old: str) -> str:
     """An old (0.1.x) flat key -> today's name; a name holding a ``/`` (or ``version``) is
     returned as is. Readers only (old runs, old sweep files, old checkpoints): the runtime makes
     its names with the constants and functions above. An old ``train_<term>`` was the clients'
     local-update mean: ``train/<term>``; any other old key was an aggregate metric: ``server/...``."""
+    if old in RENAMED:
+        return RENAMED[old]
+    m = _OLD_CLIENT.fullmatch(old)
+    if m:
+        return client_series(int(m.group(1)), m.group(2))
     if old == VERSION or "/" in old:
         return old
     if old in LEGACY:
@@ -217,8 +254,9 @@ def upgrade_history(history: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]
 
 def resolve(name: str, *, warn: bool = True) -> str:
     """A metric name as a reader may write it -> the logged name. Old flat names (the names up to
-    0.1.x) are translated, with a DeprecationWarning; new names pass through."""
-    if "/" in name:
+    0.1.x) and the names renamed since (:data:`RENAMED`, ``client/<id>/<series>``) are translated,
+    with a DeprecationWarning; new names pass through."""
+    if mlflow_key(name) == name:
         return name
     new = mlflow_key(name)
     if warn:
@@ -228,9 +266,11 @@ def resolve(name: str, *, warn: bool = True) -> str:
 
 
 def get_metric_history(client, run_id: str, name: str):
-    """``MlflowClient.get_metric_history`` that also accepts an old flat name. A run logged before
-    the rename (no ``rayfed_proto.metric_names`` tag) is read under the flat name."""
-    run = client.get_run(run_id)
-    if run.data.tags.get(SCHEMA_TAG) != SCHEMA_VERSION:
+    """``MlflowClient.get_metric_history`` that also accepts an old name, of any run: a run logged
+    before the rename (no ``rayfed_proto.metric_names`` tag) is read under the flat name, a
+    schema-"2" run under its name of then (``client/3/head_acc`` for ``zz_client/head_acc/client_3``)."""
+    schema = client.get_run(run_id).data.tags.get(SCHEMA_TAG)
+    if schema is None:
         return client.get_metric_history(run_id, name)
-    return client.get_metric_history(run_id, resolve(name))
+    new = resolve(name)
+    return client.get_metric_history(run_id, schema2_name(new) if schema == "2" else new)

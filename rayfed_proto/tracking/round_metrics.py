@@ -36,7 +36,7 @@ def version_metrics(results: list[dict], server: dict, stats, wall: float, sim_t
     for key in sorted({k for terms in stats.last_terms.values() for k in terms}):
         values = [t[key] for _, t in sorted(stats.last_terms.items()) if key in t and math.isfinite(t[key])]
         m[names.train_term(key)] = float(np.mean(values)) if values else float("nan")
-    m[names.EVAL_CLIENTS_NONFINITE] = sum(1 for r in results if r.get("nonfinite"))  # models that produce NaN/inf features
+    m[names.RELIABILITY_CLIENTS_NONFINITE] = sum(1 for r in results if r.get("nonfinite"))  # models that produce NaN/inf features
     silhouettes = [r["silhouette"] for r in results if r.get("silhouette") is not None]
     if silhouettes:
         m[names.EVAL_SILHOUETTE_MEAN] = float(np.mean(silhouettes))
@@ -48,6 +48,9 @@ def version_metrics(results: list[dict], server: dict, stats, wall: float, sim_t
         names.FEDERATION_UPDATES_ACCEPTED: server["accepted"], names.FEDERATION_UPDATES_DROPPED: server["dropped_stale"],
         names.FEDERATION_UPDATES_LATE: server["late"], names.SERVER_VERSIONS_ROLLED_BACK: server["rolled_back"],
         names.FEDERATION_UPDATES_REFUSED: server["refused"], names.FEDERATION_UPDATES_DISPATCHED: stats.dispatched,
+        names.FEDERATION_UPDATES_DROPPED_OFFLINE: getattr(stats, "updates_dropped_offline", 0),
+        names.FEDERATION_UPDATES_DROPPED_DEADLINE: getattr(stats, "updates_dropped_deadline", 0),
+        names.FEDERATION_UPDATES_DROPPED_OVER_SELECTION: getattr(stats, "updates_dropped_over_selection", 0),
         names.FEDERATION_CLIENT_BUSY_S: stats.busy_s, names.SERVER_TRAIN_S: server["server_train_s"],
         names.FEDERATION_WALL_S: wall,
         names.FEDERATION_SLOT_UTILISATION: stats.busy_s / (slots * wall) if wall > 0 else float("nan"),
@@ -58,5 +61,5 @@ def version_metrics(results: list[dict], server: dict, stats, wall: float, sim_t
     # eval/global_acc..., so that an aggregate "train_loss" (server/train_loss) never meets the clients' train/loss
     for k, v in server.get("server_metrics", {}).items():
         m[names.server_metric(k)] = v
-    m[names.PER_CLIENT] = results  # taken out by the driver (tracking.clients: client/<id>/... series)
+    m[names.PER_CLIENT] = results  # taken out by the driver (tracking.clients: zz_client/<series>/client_<id>)
     return m

@@ -102,9 +102,10 @@ def test_sync_rounds_with_a_virtual_clock_last_as_long_as_their_slowest_client(r
 
 
 def test_availability_windows_that_end_early_fail_the_run_cleanly(ray_session, tracking, tmp_path):
-    """Every client online only at time 0: 4 updates start (concurrency 4), 2 versions form, then
-    nobody can be online again. The bound checked before Ray (8 clients x 1 start >= 3 versions x 2)
-    lets it start; the run then stops FAILED with the reason, its counters and its history."""
+    """Every client online only at time 0: 4 updates start (concurrency 4), each is lost when its
+    client goes offline (the dropout rule), then nobody can be online again. The bound checked
+    before Ray (8 clients x 1 start >= 3 versions x 2) lets it start; the run then stops FAILED
+    with the reason, its counters and its history (version 0, evaluated)."""
     import pandas as pd
 
     from rayfed_proto.runtime.progress import NoProgressError
@@ -120,4 +121,58 @@ def test_availability_windows_that_end_early_fail_the_run_cleanly(ray_session, t
     (run,) = client.search_runs([client.get_experiment_by_name(cfg.tracking.experiment_name).experiment_id])
     assert run.info.status == "FAILED" and "no client can be online" in run.data.tags["failure_reason"]
     (out,) = (tmp_path / "runs").iterdir()
-    assert list(pd.read_parquet(out / "history.parquet")["version"]) == [0, 1, 2]  # every version formed, evaluated
+    assert list(pd.read_parquet(out / "history.parquet")["version"]) == [0]  # every version formed, evaluated
+    assert run.data.metrics[names.FEDERATION_UPDATES_DROPPED_OFFLINE] == 4
+
+
+def test_clients_that_go_offline_mid_update_lose_it_and_the_run_still_finishes(ray_session, tracking, tmp_path):
+    """A FedScale behaviour trace (a pickle in FedScale's format) with short online windows: updates
+    whose client leaves before they would finish are lost (counted per run, per client, in the
+    summary), the run still reaches its last version, and the same seed gives the same metrics."""
+    import pickle
+
+    import pandas as pd
+
+    _, track = tracking
+    trace = tmp_path / "client_behave_trace.pkl"
+    # trace client k: online [0, 0.4k) and [2, 2.5 + 0.4k) of every 6 simulated seconds (updates take ~0.5-2 s)
+    trace.write_bytes(pickle.dumps({k: {"active": [0.0, 2.0], "inactive": [0.4 * k, 2.5 + 0.4 * k],
+                                        "finish_time": 6.0} for k in range(1, 11)}))
+    cfg = build_config({}, VIRTUAL + track + ["system.availability.kind=fedscale", f"system.availability.path={trace}",
+                                               "system.bandwidth.kind=lognormal", "system.bandwidth.sigma=0.5",
+                                               "federation.rounds=4"])
+    first, second = run_experiment(cfg, **QUIET), run_experiment(cfg, **QUIET)
+    assert first.final_version == 4
+    dropped = first.history[-1][names.FEDERATION_UPDATES_DROPPED_OFFLINE]
+    assert dropped > 0
+    per_client = pd.read_csv(first.output_dir / "client_updates.csv")
+    assert per_client["dropped_offline"].sum() >= dropped and (per_client["dropped_offline"] <= per_client["updates"]).all()
+    assert "updates dropped offline" in first.summary and f"{per_client['dropped_offline'].sum()} of" in first.summary
+    assert _comparable(first.history) == _comparable(second.history)  # NaN-safe, every simulated figure
+    assert ([h[names.FEDERATION_UPDATES_DROPPED_OFFLINE] for h in first.history]
+            == [h[names.FEDERATION_UPDATES_DROPPED_OFFLINE] for h in second.history])
+
+
+def test_sync_rounds_with_a_deadline_and_over_selection_drop_and_count_updates_and_finish(ray_session, tracking):
+    """FedScale's rounds in simulated time: 6 of 8 clients selected (ceil(1.5 x 4)), the first 4 to
+    finish kept, and none later than the deadline (the median client's simulated compute time)."""
+    from rayfed_proto.data import load_dataset
+    from rayfed_proto.runtime.driver import _partition, _system_model
+
+    _, track = tracking
+    common = VIRTUAL + track + ["federation.mode=sync", "federation.participation=0.5", "federation.rounds=3",
+                                "federation.over_selection=1.5"]
+    probe = build_config({}, common)
+    ds = load_dataset(probe.data, probe.seed)
+    system = _system_model(probe, _partition(probe, ds), ds.num_classes, ds.channels, ds.image_size)
+    deadline = float(sorted(system.compute_s)[3])  # about half the clients cannot finish in time
+    result = run_experiment(build_config({}, common + [f"federation.round_deadline_s={deadline!r}"]), **QUIET)
+    assert result.final_version == 3
+    last = result.history[-1]
+    dropped = last[names.FEDERATION_UPDATES_DROPPED_DEADLINE] + last[names.FEDERATION_UPDATES_DROPPED_OVER_SELECTION]
+    assert last[names.FEDERATION_UPDATES_DISPATCHED] == 3 * 6
+    assert last[names.FEDERATION_UPDATES_ACCEPTED] + dropped == 3 * 6  # every update kept or dropped, once
+    assert last[names.FEDERATION_UPDATES_ACCEPTED] <= 3 * 4 and dropped >= 3 * 2
+    assert last[names.FEDERATION_UPDATES_DROPPED_DEADLINE] > 0
+    times = [h[names.FEDERATION_SIM_TIME_S] for h in result.history]
+    assert all(b - a <= deadline + 1e-9 for a, b in zip(times, times[1:], strict=False))  # no round outlasts its deadline

@@ -24,6 +24,9 @@ def fed(**over):
 class FakeSystem:  # what VirtualClock reads of a system model
     compute_s = np.ones(6)
 
+    def compute_at(self, c, version=0):
+        return float(self.compute_s[c])
+
 
 # ----------------------------------------------------------------------------- make_policy
 
@@ -195,6 +198,24 @@ def test_after_a_server_restart_the_redone_versions_see_the_updates_the_dead_ser
     evals.start_ready(lambda v, ref, as_of: launched.append((v, as_of)) or 1)
     assert launched == [(2, {0: 2})]
     assert evals.keep_from(0) == 2
+
+
+def test_evaluations_are_logged_in_version_order_whichever_finishes_first():
+    order = []
+    evals = Evaluations(1, 5, {0: 0, 1: 0}, 0, SchedulerStats(), lambda v, m: order.append(v), real_slots=1,
+                        resolve=lambda ref: ref)
+    server = {"margin": (1.0, 2.0), "staleness_mean": 0.0, "staleness_max": 0, "accepted": 0, "dropped_stale": 0,
+              "late": 0, "rolled_back": 0, "refused": 0, "server_train_s": 0.0}
+    for v in (1, 2):
+        evals.formed(v, f"s{v}", lambda: (SchedulerStats(), 1.0, float("nan"), server))
+    evals.start_ready(lambda v, ref, as_of: 2)  # two workers each
+    result = {"state_version": 0, "update": 0, "n": 1, "head_correct": 1, "proto_correct": 0}
+    for c in (0, 1):  # version 2's workers answer first (version 1 has a slow worker)
+        evals.result(2, [{**result, "client_id": c, "state_version": 2}])
+    evals.result(1, [{**result, "client_id": 0, "state_version": 1}])
+    assert order == [] and evals.busy()  # version 2 is done, but version 1 is still running
+    evals.result(1, [{**result, "client_id": 1, "state_version": 1}])
+    assert order == [1, 2] and not evals.busy()
 
 
 def test_a_server_restart_drops_the_evaluations_of_versions_that_no_longer_exist():

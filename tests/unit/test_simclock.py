@@ -14,8 +14,11 @@ class FakeSystem:
     def __init__(self, compute_s):
         self.compute_s = np.asarray(compute_s, float)
 
-    def update_duration(self, c, down, up):
-        return self.compute_s[c] + down / 100.0 + up / 100.0
+    def compute_at(self, c, version=0):
+        return float(self.compute_s[c])
+
+    def update_duration(self, c, down, up, version=0):
+        return self.compute_at(c, version) + down / 100.0 + up / 100.0
 
     def online_clients(self, candidates, t, rng):
         return [c for c in candidates if c != 2 or 50 <= t < 60]
