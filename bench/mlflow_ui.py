@@ -198,16 +198,19 @@ def main() -> int:
     exp = client.get_run(run_id).info.experiment_id
     out = Path(args.out)
     run_page = f"#/experiments/{exp}/runs/{run_id}"
-    pages = [("run_overview", run_page, args.height + 900, None, None),
+    ml = "?workflowType=machine_learning"  # MLflow 3's UI opens on its GenAI view otherwise (docs/quickstart.md)
+    pages = [("experiment_runs", f"#/experiments/{exp}/runs{ml}", args.height - 400, None, None),
+             ("run_overview", run_page, args.height + 900, None, None),
+             ("run_model_metrics_opened", f"{run_page}/model-metrics", args.height + 300, None, None),
              ("run_model_metrics", f"{run_page}/model-metrics", args.height + 300, "eval/", None),
-             ("run_model_metrics_clients", f"{run_page}/model-metrics", args.height, "client/", None),
+             ("run_model_metrics_clients", f"{run_page}/model-metrics", args.height, "zz_client/", None),
              ("run_system_metrics", f"{run_page}/system-metrics", args.height, None, None),
              ("experiment_models", f"#/experiments/{exp}/models", args.height - 400, None, None)]
     if parent_id:
         pexp = client.get_run(parent_id).info.experiment_id
         pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}", args.height, None, None),
-                  ("sweep_runs", f"#/experiments/{pexp}/runs", args.height - 400,
-                   f"attributes.run_name LIKE '{client.get_run(parent_id).info.run_name}-%'", None)]
+                  ("sweep_runs", f"#/experiments/{pexp}/runs{ml}", args.height - 400,  # trial names end <sweep>-<id>
+                   f"attributes.run_name LIKE '%{client.get_run(parent_id).info.run_name}-%'", None)]
     if args.only:
         pages = [pg for pg in pages if pg[0] in args.only]
     try:

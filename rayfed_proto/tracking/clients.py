@@ -1,4 +1,4 @@
-"""Per-client series (``client/<id>/head_acc`` ...) and the final per-client table.
+"""Per-client series (``zz_client/head_acc/client_<id>`` ...) and the final per-client table.
 
 Why a limit: MLflow draws one chart per metric key, so 1000 clients x 4 series would bury the
 run page. Up to ``tracking.client_series_limit`` clients every client gets its series; above it,
@@ -17,14 +17,16 @@ from typing import Any, Optional
 import numpy as np
 import pandas as pd
 
-from rayfed_proto.tracking.metric_names import client_series
+from rayfed_proto.tracking.metric_names import CLIENT_SERIES, client_series
 
 EXTREMES = 3  # worst and best clients added to a sample
 
 
 def client_row(result: dict[str, Any]) -> dict[str, float]:
-    """One client's evaluation as the four series values (accuracies are fractions), by series
-    (``metric_names.CLIENT_SERIES``; the metric is ``client_series(client_id, series)``)."""
+    """One client's evaluation as the series values (accuracies are fractions), by series
+    (``metric_names.CLIENT_SERIES``; the metric is ``client_series(client_id, series)``), and
+    ``samples``, the test-split size: constant, kept for the table and never logged as a metric
+    (it is the run parameter ``client.test_samples``)."""
     n = int(result.get("n", 0))
     row = {"samples": float(n)}
     if n > 0:
@@ -51,14 +53,14 @@ class ClientSeries:
         self.last: dict[int, dict[str, float]] = {}  # every client's latest row
 
     def metrics(self, step: int, results: Sequence[dict[str, Any]]) -> dict[str, float]:
-        """The ``client/<id>/...`` metrics of the chosen clients at this evaluation."""
+        """The ``zz_client/<series>/client_<id>`` metrics of the chosen clients at this evaluation."""
         out: dict[str, float] = {}
         for r in results:
             c = int(r["client_id"])
             row = client_row(r)
             self.last[c] = row
             if c in self._chosen:
-                out.update({client_series(c, k): v for k, v in row.items()})
+                out.update({client_series(c, k): v for k, v in row.items() if k in CLIENT_SERIES})
             else:
                 self.kept.setdefault(c, []).append((step, row))
         return out
@@ -76,9 +78,17 @@ class ClientSeries:
             return [], f"all {self.num_clients} clients"
         worst, best = self.extremes()
         points = [(client_series(c, k), v, step) for c in dict.fromkeys(worst + best) if c not in self._chosen
-                  for step, row in self.kept.get(c, []) for k, v in row.items()]
+                  for step, row in self.kept.get(c, []) for k, v in row.items() if k in CLIENT_SERIES]
         return points, (f"seeded sample of {len(self.chosen)} of {self.num_clients} clients {self.chosen}; "
                         f"worst {worst} and best {best} by final head accuracy")
+
+
+def test_samples_param(test_sizes: Sequence[int]) -> str:
+    """The run parameter ``client.test_samples``: each client's test-split size, by client id
+    (``[30, 28, ...]``); MLflow caps a param at 6000 characters, so a longer list ends in ``...``
+    (every size is in ``tables/clients.json``)."""
+    text = "[" + ", ".join(str(int(n)) for n in test_sizes) + "]"
+    return text if len(text) <= 6000 else text[:5990].rsplit(",", 1)[0] + ", ...]"
 
 
 def client_table(last: dict[int, dict[str, float]], label_counts: np.ndarray, class_names: Sequence[str],

@@ -490,7 +490,7 @@ def compare(experiments: Sequence[str], tracking_uri: Optional[str] = None, metr
         hint = ""
         if any(lo.reason.startswith(f"no {metric}") for lo in left):
             logged = sorted({k for r in _all_runs(client, list(found.values())) for k in r.data.metrics
-                             if not k.startswith(("client/", "model/", "system/"))})
+                             if not k.startswith(("zz_client/", "client/", "model/", "system/"))})
             if logged:
                 hint = f"\nmetrics these runs have: {', '.join(logged[:40])}{' ...' if len(logged) > 40 else ''}"
         raise InputError(f"nothing to compare in {', '.join(map(repr, found))} for metric {metric!r}; every run is "

@@ -42,6 +42,24 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
     return uri
 
 
+EXPERIMENT_KIND = "custom_model_development"  # experiment tag mlflow.experimentKind: not a GenAI experiment
+# config keys that differ per run by construction: logged as run tags, not params
+BOOKKEEPING_PARAMS = ("tracking.output_dir", "tracking.run_name", "tracking.parent_run_id", "tracking.tracking_uri",
+                      "checkpoint.dir")
+_MISSING_LOOKING = {"nan", "inf", "-inf", "none", "null", ""}
+
+
+def param_text(value: Any) -> str:
+    """A param's value as MLflow shows it (at most 6000 characters). A *string* that reads like a
+    missing number (``faults.corrupt_kind = nan``: corrupt updates with NaN) is quoted, ``'nan'``,
+    so it is not taken for an unset value; ``None`` is ``None``, a float NaN ``nan``."""
+    if value is None:
+        return "None"
+    if isinstance(value, str) and value.strip().lower() in _MISSING_LOOKING:
+        return repr(value)
+    return str(value)[:6000]
+
+
 _BUSY = ("database is locked", "database is busy", "database table is locked")
 
 
@@ -171,10 +189,17 @@ class MlflowTracker:
             # The tag the UI nests by. Not start_run(parent_run_id=...): that requires the parent to
             # be ACTIVE and a resumed sweep's parent may be marked KILLED while its trials restart.
             tags["mlflow.parentRunId"] = self.parent_run_id
+        if "mlflow.experimentKind" not in (exp.tags or {}):  # the UI opens the experiment on its runs (issue 26)
+            with contextlib.suppress(Exception):
+                self._write("set_experiment_tag", mlflow.set_experiment_tag, "mlflow.experimentKind", EXPERIMENT_KIND)
+        # per-run bookkeeping (where the run writes, its name): tags, so the compare view's parallel
+        # coordinates and the params table show what was varied, not what differs by construction
+        tags.update({k: str(params[k]) for k in BOOKKEEPING_PARAMS if params.get(k) is not None})
+        params = {k: v for k, v in params.items() if k not in BOOKKEEPING_PARAMS}
         run = mlflow.start_run(run_name=self.run_name, tags=tags, nested=nested, log_system_metrics=self.system_metrics)
         self.run_id = run.info.run_id
         # MLflow caps a param value at 6000 characters and a batch at 100 params
-        items = [(k, "None" if v is None else str(v)[:6000]) for k, v in params.items()]
+        items = [(k, param_text(v)) for k, v in params.items()]
         for i in range(0, len(items), 100):
             self._write("log_params", mlflow.log_params, dict(items[i : i + 100]))
         return self.run_id
@@ -269,6 +294,10 @@ class MlflowTracker:
             pool.submit(mlflow.pytorch.log_model, model, name=name, model_id=logged.model_id, **kwargs).result()
         client.log_outputs(self.run_id, [LoggedModelOutput(logged.model_id, step=step)])
         return logged.model_id
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Params logged after :meth:`start` (a value MLflow caps at 6000 characters)."""
+        self._write("log_params", self.mlflow.log_params, {k: str(v)[:6000] for k, v in params.items()})
 
     def set_description(self, text: str) -> None:
         """The run's description (the Overview's "Description" box, markdown)."""
@@ -372,6 +401,9 @@ class NullTracker:
 
     def log_model(self, model, name, step=0, tags=None, **kwargs):
         return None
+
+    def log_params(self, params):
+        pass
 
     def set_description(self, text):
         pass

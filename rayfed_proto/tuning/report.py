@@ -67,6 +67,40 @@ def write_best_yaml(path: Path, cfg: ExperimentConfig, spec: SweepSpec, best: di
     return path
 
 
+def log_axis(dist: Distribution, values: list[float]) -> bool:
+    """Whether a swept key is drawn on a log axis: a log distribution, or positive values (the
+    trials' and a grid's or choice's) spanning a decade or more (``grid: [0.1, 1, 10]``: on a
+    linear axis 0.1 and 1 crowd together)."""
+    if dist.is_log:
+        return True
+    xs = [float(v) for v in values if _is_number(v)]
+    if dist.kind in ("choice", "grid"):
+        xs += [float(a) for a in dist.args if _is_number(a)]
+    return bool(xs) and min(xs) > 0 and max(xs) / min(xs) >= 10
+
+
+def parent_description(sweep: str, metric: str, mode: str, ranked: list[dict[str, Any]], space: list[str],
+                       experiment_id: Optional[str] = None) -> str:
+    """The sweep parent run's description (markdown): the best child by name, run id and link,
+    its swept values and score, and the trials ranked."""
+    scored = [r for r in ranked if _is_number(r.get(metric))]
+    lines = [f"Sweep **{sweep}**: {len(ranked)} trials ranked by `{metric}` (last evaluation, {mode})."]
+    if scored:
+        best = scored[0]
+        rid = best.get("mlflow_run_id")
+        link = f"[{rid}](#/experiments/{experiment_id}/runs/{rid})" if rid and experiment_id else f"`{rid}`"
+        swept = ", ".join(f"`{k}` = {best.get(k)!r}" for k in space)
+        lines += ["", f"**Best child run: {link}** (trial {best.get('trial')}): {swept}; `{metric}` = "
+                      f"{_fmt(best.get(metric))}. Its config: the artifact `best.yaml`."]
+    else:
+        lines += ["", "No trial reported the metric: no best child."]
+    lines += ["", "| rank | trial | " + " | ".join(space) + f" | {metric} | run id |",
+              "|" + "---|" * (len(space) + 4)]
+    lines += [f"| {r.get('rank')} | {r.get('trial')} | " + " | ".join(str(r.get(k)) for k in space)
+              + f" | {_fmt(r.get(metric))} | {r.get('mlflow_run_id') or ''} |" for r in ranked[:50]]
+    return "\n".join(lines)
+
+
 def plot_metric_vs_params(ranked: list[dict[str, Any]], space: dict[str, Distribution], metric: str, path: Path,
                           title: str = "") -> Path:
     """One panel per swept key: each trial's final ``metric`` (filled) and its best (hollow)."""
@@ -90,9 +124,12 @@ def plot_metric_vs_params(ranked: list[dict[str, Any]], space: dict[str, Distrib
             ax.set_xticks(range(len(labels)), labels, rotation=30)
         last = [r.get(metric) if _is_number(r.get(metric)) else float("nan") for r in ranked]
         best = [r.get(f"{metric}_best") if _is_number(r.get(f"{metric}_best")) else float("nan") for r in ranked]
-        ax.scatter(pos, last, label=f"{metric} (last)", zorder=3)
-        ax.scatter(pos, best, facecolors="none", edgecolors="C1", label=f"{metric} (best)", zorder=2)
-        if numeric and dist.is_log:
+        # the best value is often the last one: a small filled dot for the last, drawn under a larger
+        # hollow ring for the best, so both stay visible where they coincide
+        ax.scatter(pos, last, s=18, label=f"{metric} (last)", zorder=3)
+        ax.scatter(pos, best, s=90, facecolors="none", edgecolors="C1", linewidths=1.5, label=f"{metric} (best)",
+                   zorder=4)
+        if numeric and log_axis(dist, pos):
             ax.set_xscale("log")
         ax.set_xlabel(key)
         ax.set_ylabel(metric)

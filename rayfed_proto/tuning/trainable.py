@@ -103,9 +103,10 @@ def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
 
 
-def trial_run_name(sweep_name: str, trial_id: str, values: dict[str, Any], keys: list[str]) -> str:
-    """``<sweep>-<trial id> [lam=0.5 lr=0.003]``: the swept values, by the last part of each key
-    (the whole key when two would read alike), so child runs tell apart in the MLflow run list."""
+def trial_run_name(sweep_name: str, trial_id: str, values: dict[str, Any], keys: list[str], method: str = "") -> str:
+    """``lam=0.5 lr=0.003 fedproto <sweep>-<trial id>``: the swept values first, by the last part of
+    each key (the whole key when two would read alike), then the method, so child runs tell apart
+    in the MLflow run list even where it cuts the name short (issue 26)."""
     short = [k.rsplit(".", 1)[-1] for k in keys]
     names = [s if short.count(s) == 1 else k for s, k in zip(short, keys, strict=True)]
 
@@ -113,8 +114,8 @@ def trial_run_name(sweep_name: str, trial_id: str, values: dict[str, Any], keys:
         return f"{v:.4g}" if isinstance(v, float) else str(v)
 
     shown = " ".join(f"{n}={fmt(values[k])}" for n, k in zip(names, keys, strict=True) if k in values)
-    name = f"{sweep_name}-{trial_id}"
-    return f"{name} [{shown}]"[:250] if shown else name
+    name = " ".join(x for x in (shown, method, f"{sweep_name}-{trial_id}") if x)
+    return name[:250]
 
 
 def make_trainable(ctx: TrialContext):
@@ -124,7 +125,8 @@ def make_trainable(ctx: TrialContext):
         from rayfed_proto.runtime.driver import run_experiment
 
         trial_id = tune.get_context().get_trial_id()
-        run_name = trial_run_name(ctx.sweep_name, trial_id, config, ctx.space_keys)
+        method = trial_config(ctx, config, trial_id=trial_id)[0].algorithm.name  # swept or the base's
+        run_name = trial_run_name(ctx.sweep_name, trial_id, config, ctx.space_keys, method)
         cfg, _ = trial_config(ctx, config, run_name=run_name, trial_id=trial_id)
         folder = trial_output_dir(ctx, trial_id)
         restored = tune.get_checkpoint()  # a retried trial (its node lost) or a resumed sweep: from storage_path

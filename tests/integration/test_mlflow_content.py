@@ -1,6 +1,8 @@
 """What a finished run holds in MLflow, read back through MlflowClient (issue 14): namespaced
 metrics, per-client series (capped for large federations), tables, datasets, loadable models."""
 
+import json
+
 import mlflow
 import numpy as np
 import pytest
@@ -17,7 +19,11 @@ pytestmark = pytest.mark.integration
 
 SMALL = ["data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20", "model.group=small_hetero",
          "model.feature_dim=32", "federation.mode=sync", "federation.eval_every=1", "tracking.system_metrics=false"]
-SECTIONS = {"eval", "train", "server", "federation", "reliability", "system", "client", "model"}
+SECTIONS = {"eval", "train", "server", "federation", "reliability", "system", "zz_client", "model"}
+
+
+def client_key(c, series):
+    return f"zz_client/{series}/client_{c}"
 
 
 def steps(client, run_id, key):
@@ -61,7 +67,16 @@ def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_
     assert {k for k, v in result.history[-1].items() if k != "version" and np.isfinite(v)} <= keys
     assert sorted(steps(client, result.run_id, "eval/head_acc")) == [0, 1, 2]
     assert run.data.params["plan.concurrency"] and "plan.client_num_cpus" in run.data.params
-    assert run.data.tags[SCHEMA_TAG] == "2"
+    assert run.data.tags[SCHEMA_TAG] == "3"
+    # issue 26: the Model metrics tab (sections = key prefixes, sorted as text) opens on a global section,
+    # the per-client sections sort last, no constant per-client chart; the run says what ran
+    sections = sorted({k.rsplit("/", 1)[0] for k in keys})
+    assert sections[0] == "eval" and all(x.startswith("zz_client/") for x in sections[-3:]), sections
+    assert min(k for k in keys if k.startswith("eval/")) != "eval/clients_nonfinite"
+    assert not any(k.startswith(("zz_client/", "client/")) and "samples" in k for k in keys)
+    assert run.info.run_name == f"fedproto digits seed={cfg.seed} {result.run_id[:6]}"
+    assert run.data.tags["dataset"] == "digits" and "tracking.output_dir" not in run.data.params
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     # old names stay readable through the helper (one release)
     with pytest.warns(DeprecationWarning):
         old = get_metric_history(client, result.run_id, "head_acc")
@@ -73,10 +88,11 @@ def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_
     # 2. per-client series for every client (4 <= limit), and the final table
     for c in range(4):
         for name in ("head_acc", "proto_acc", "train_loss", "samples"):
-            assert f"client/{c}/{name}" in keys, (c, name)
-        assert sorted(steps(client, result.run_id, f"client/{c}/head_acc")) == [0, 1, 2]
-    n = np.array([steps(client, result.run_id, f"client/{c}/samples")[2] for c in range(4)])
-    acc = np.array([steps(client, result.run_id, f"client/{c}/head_acc")[2] for c in range(4)])
+            if name != "samples":
+                assert client_key(c, name) in keys, (c, name)
+        assert sorted(steps(client, result.run_id, client_key(c, "head_acc"))) == [0, 1, 2]
+    n = np.array(json.loads(run.data.params["client.test_samples"]))  # constant: a param, not a chart
+    acc = np.array([steps(client, result.run_id, client_key(c, "head_acc"))[2] for c in range(4)])
     assert (acc * n).sum() / n.sum() == pytest.approx(run.data.metrics["eval/head_acc"])  # sample-weighted mean
     table = mlflow.load_table("tables/clients.json", run_ids=[result.run_id])
     assert sorted(table["client_id"]) == [0, 1, 2, 3]
@@ -106,7 +122,7 @@ def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_
         model = mlflow.pytorch.load_model(models[f"client_{c}"].model_uri)
         x, y = dataset.tensors(partition.clients[c].test_idx)
         measured = predict_accuracy(model, x, y)
-        assert measured == pytest.approx(steps(client, result.run_id, f"client/{c}/head_acc")[2], abs=1e-9)
+        assert measured == pytest.approx(steps(client, result.run_id, client_key(c, "head_acc"))[2], abs=1e-9)
         assert measured == pytest.approx(run.data.metrics[f"model/client_{c}/head_acc"], abs=1e-9)
         linked = client.get_logged_model(models[f"client_{c}"].model_id)
         assert any(m.key == f"model/client_{c}/head_acc" for m in linked.metrics or [])
@@ -139,10 +155,10 @@ def test_large_federation_logs_a_seeded_sample_plus_worst_and_best(ray_session, 
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     client = MlflowClient(uri)
     run = client.get_run(result.run_id)
-    logged = {int(k.split("/")[1]) for k in run.data.metrics if k.startswith("client/") and k.endswith("/head_acc")}
+    logged = {int(k.rsplit("_", 1)[1]) for k in run.data.metrics if k.startswith("zz_client/head_acc/")}
     sample = ClientSeries(12, 6, 3, cfg.seed).chosen  # seeded: the same clients for the same seed
     assert len(sample) == 3 and set(sample) <= logged
-    final = {c: client.get_metric_history(result.run_id, f"client/{c}/head_acc") for c in logged}
+    final = {c: client.get_metric_history(result.run_id, client_key(c, "head_acc")) for c in logged}
     final = {c: max(h, key=lambda m: m.step).value for c, h in final.items()}
     table = mlflow.load_table("tables/clients.json", run_ids=[result.run_id]).set_index("client_id")
     assert len(table) == 12  # the table has every client
@@ -150,7 +166,7 @@ def test_large_federation_logs_a_seeded_sample_plus_worst_and_best(ray_session, 
     extremes = {c for _, c in ranked[:EXTREMES]} | {c for _, c in ranked[-EXTREMES:]}
     assert logged == set(sample) | extremes and len(logged) < 12
     for c in logged:  # back-filled: every evaluation, not only the last
-        assert sorted(m.step for m in client.get_metric_history(result.run_id, f"client/{c}/head_acc")) == [0, 1, 2]
+        assert sorted(m.step for m in client.get_metric_history(result.run_id, client_key(c, "head_acc"))) == [0, 1, 2]
         assert final[c] == pytest.approx(table.loc[c, "final_head_acc"])
     assert "seeded sample of 3 of 12 clients" in run.data.tags["rayfed_proto.client_series"]
     assert not any(k.startswith("model/") for k in run.data.metrics)  # log_models=none

@@ -3,6 +3,7 @@ whole federated run in its own placement group, logged as MLflow child runs thro
 own 127.0.0.1 tracking server; the best config runs; an interrupted sweep resumes."""
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,7 +81,17 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
         assert steps(client, kid.info.run_id, "eval/head_acc") == list(range(ROUNDS + 1))
         assert steps(client, kid.info.run_id, "eval/proto_acc") == list(range(1, ROUNDS + 1))
         assert kid.data.params["resources.client_num_cpus"] == "0.25"  # the trial's bundle shares
-        assert kid.data.tags["mlflow.runName"].startswith("tiny-")
+        # issue 26: the name leads with the swept value, then the method (a cut name still tells trials apart)
+        lam = kid.data.params["algorithm.lam"]
+        assert kid.info.run_name.startswith(f"lam={float(lam):.4g} fedproto tiny-"), kid.info.run_name
+        # per-trial bookkeeping is tags, not params (the compare view's parallel coordinates open on lam)
+        assert "tracking.output_dir" not in kid.data.params and "tracking.run_name" not in kid.data.params
+        assert kid.data.tags["tracking.output_dir"]
+    # the parent names and links its best child in its description
+    best_id = result.ranked[0]["mlflow_run_id"]
+    note = parent.data.tags["mlflow.note.content"]
+    assert f"Best child run: [{best_id}](#/experiments/{parent.info.experiment_id}/runs/{best_id})" in note
+    assert parent.data.tags["best.run_id"] == best_id
 
     # the best config is a runnable YAML: validate it, then run it with `rayfed-proto run`
     cfg = load_config(result.best_yaml)
@@ -139,7 +150,12 @@ def test_an_interrupted_sweep_resumes_and_its_unfinished_trial_continues_from_it
     assert f"rayfed-proto tune --resume {folder}" in out
     assert not (interrupted / "summary.txt").exists()
 
-    resumed = run_sweep(resume=str(folder), verbose=0)
+    # its MLflow store moved (as when the server went with its cluster): --tracking-uri names the new one
+    moved = tmp_path / "moved" / "mlflow.db"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "mlflow.db", moved)
+    resumed = run_sweep(resume=str(folder), tracking_uri=f"sqlite:///{moved}", verbose=0)
+    assert resumed.tracking_uri == f"sqlite:///{moved}"
     assert resumed.experiment_path == str(folder) and not resumed.interrupted
     assert len(resumed.ranked) == 2 and all(r["version"] == rounds and r["status"] == "done" for r in resumed.ranked)
     assert sorted(r["algorithm.lam"] for r in resumed.ranked) == [0.1, 1.0]

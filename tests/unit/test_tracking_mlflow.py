@@ -22,7 +22,9 @@ def test_old_flat_names_translate_for_readers_only():
     assert mlflow_key("staleness_mean") == "federation/staleness_mean"
     assert mlflow_key("global_acc") == "eval/global_acc" and mlflow_key("global_acc_mnist") == "eval/global_acc_mnist"
     assert mlflow_key("xi_mean") == "server/xi_mean"  # an algorithm's aggregate metric
-    assert mlflow_key("client/3/head_acc") == "client/3/head_acc"  # already namespaced
+    assert mlflow_key("client/3/head_acc") == "zz_client/head_acc/client_3"  # schema "2" name (issue 26)
+    assert mlflow_key("eval/clients_nonfinite") == mlflow_key("clients_nonfinite") == "reliability/clients_nonfinite"
+    assert mlflow_key("zz_client/head_acc/client_3") == "zz_client/head_acc/client_3"
     assert mlflow_key("version") == "version"
     assert mlflow_key("peak_rss_mib_server").startswith("system/")
     # the old table: every new name in a section and made by the table, none shared by two old names
@@ -39,12 +41,13 @@ def test_the_table_makes_every_name_once():
     # an aggregate key that would land on one of the runtime's own names gets a name of its own
     assert names.server_metric("train_s") == names.server_metric("server_train_s") == "server/aggregate/train_s"
     assert names.server_metric("proto_margin_min") != names.SERVER_PROTO_MARGIN_MIN
-    assert names.client_series(3, "head_acc") == "client/3/head_acc"
+    assert names.client_series(3, "head_acc") == "zz_client/head_acc/client_3"
     assert names.model_metric("client_3", "head_acc") == "model/client_3/head_acc"
     assert names.actor_memory(2, "pss_mib") == "system/actors/client_actor_2_pss_mib"
     assert names.sweep_best(names.EVAL_HEAD_ACC) == "best/eval/head_acc"
     assert all(n.split("/", 1)[0] in SECTIONS | {"sweep"} for n in names.NAMES)
     assert not names.is_name("head_acc") and not names.is_name("train_loss") and not names.is_name("client/x/head_acc")
+    assert not names.is_name("zz_client/samples/client_1")  # a constant: the param client.test_samples
 
 
 def _fake_evaluation():
@@ -76,7 +79,7 @@ def test_version_metrics_are_born_with_their_names_and_the_two_losses_kept_apart
     # a runtime counter is never overwritten by an aggregate key
     assert m[names.SERVER_TRAIN_S] == 3.0 and m["server/aggregate/train_s"] == 9.0
     assert m[names.EVAL_HEAD_ACC] == pytest.approx(30 / 40) and m[names.EVAL_PROTO_ACC] == pytest.approx(26 / 40)
-    assert m[names.EVAL_CLIENTS_NONFINITE] == 1 and m[names.EVAL_SILHOUETTE_MEAN] == pytest.approx(0.3)
+    assert m[names.RELIABILITY_CLIENTS_NONFINITE] == 1 and m[names.EVAL_SILHOUETTE_MEAN] == pytest.approx(0.3)
     assert m[names.FEDERATION_SIM_TIME_S] == 55.0 and m[names.FEDERATION_SLOT_UTILISATION] == pytest.approx(0.6)
     assert m[names.FEDERATION_UPDATES_DROPPED] == 1 and m[names.SERVER_PROTO_MARGIN_MIN] == 1.0
     assert "version" not in m  # the driver adds the step
@@ -107,7 +110,8 @@ def test_the_drivers_metric_helpers_use_the_table():
     assert names.PER_CLIENT not in rest and rest == {k: v for k, v in m.items() if k != names.PER_CLIENT}
     assert logged[0] == {"system/actors/client_actor_0_peak_rss_mib": 1.0, "system/actors/client_actor_0_pss_mib": 2.0,
                          names.SYSTEM_SERVER_PSS_MIB: 4.0}
-    assert logged[1]["client/0/head_acc"] == pytest.approx(0.8) and logged[1]["client/1/train_loss"] == 0.9
+    assert logged[1]["zz_client/head_acc/client_0"] == pytest.approx(0.8)
+    assert logged[1]["zz_client/train_loss/client_1"] == 0.9
     assert all(names.is_name(k) for batch in logged for k in batch)
 
 
@@ -145,7 +149,7 @@ def test_the_tracker_logs_names_as_given_and_warns_about_a_name_the_table_did_no
     from rayfed_proto.tracking import mlflow_tracker
 
     with caplog.at_level("WARNING", logger="rayfed_proto"):
-        mlflow_tracker._warn_unnamed({"eval/head_acc": 0.5, "client/2/samples": 3.0, "some_flat_key": 1.0})
+        mlflow_tracker._warn_unnamed({"eval/head_acc": 0.5, "zz_client/head_acc/client_2": 0.3, "some_flat_key": 1.0})
         mlflow_tracker._warn_unnamed({"some_flat_key": 2.0})  # once per key
     assert [r.getMessage().split("'")[1] for r in caplog.records] == ["some_flat_key"]
 
@@ -192,7 +196,8 @@ def test_every_client_up_to_the_limit():
     s = ClientSeries(5, limit=5, sample=2, seed=0)
     assert s.chosen == [0, 1, 2, 3, 4]
     m = s.metrics(0, [{"client_id": c, "n": 10, "head_correct": c, "proto_correct": None, "train_loss": 1.0} for c in range(5)])
-    assert m["client/3/head_acc"] == 0.3 and m["client/3/samples"] == 10 and "client/3/proto_acc" not in m
+    assert m["zz_client/head_acc/client_3"] == 0.3 and "zz_client/proto_acc/client_3" not in m
+    assert not any("samples" in k for k in m) and s.last[3]["samples"] == 10  # constant: a param, kept for the table
     assert s.backfill() == ([], "all 5 clients")
 
 
@@ -204,15 +209,15 @@ def test_large_federation_seeded_sample_plus_worst_and_best_with_whole_series():
         return [{"client_id": c, "n": 50, "head_correct": c + shift, "proto_correct": None, "train_loss": 0.5}
                 for c in range(50)]
 
-    live = {int(k.split("/")[1]) for step in (0, 5) for k in a.metrics(step, results(0 if step == 0 else 0))}
+    live = {int(k.rsplit("_", 1)[1]) for step in (0, 5) for k in a.metrics(step, results(0 if step == 0 else 0))}
     assert live == set(a.chosen)  # only the sample is logged while the run goes on
     worst, best = a.extremes()
     assert worst == [0, 1, 2][:EXTREMES] and best == [49, 48, 47][:EXTREMES]
     points, described = a.backfill()
-    filled = {int(k.split("/")[1]) for k, _, _ in points}
+    filled = {int(k.rsplit("_", 1)[1]) for k, _, _ in points}
     assert filled == (set(worst) | set(best)) - set(a.chosen)
     for c in filled:  # every evaluation of each back-filled client
-        assert sorted(s for k, _, s in points if k == f"client/{c}/head_acc") == [0, 5]
+        assert sorted(s for k, _, s in points if k == f"zz_client/head_acc/client_{c}") == [0, 5]
     assert f"seeded sample of 4 of 50 clients {a.chosen}" in described
 
 
@@ -230,10 +235,70 @@ def test_models_to_log():
     assert choose_models("none", True, archs) == (False, [])
 
 
-def test_trial_run_names_show_the_swept_values():
+def test_trial_run_names_lead_with_the_swept_values_then_the_method():
     keys = ["algorithm.lam", "training.lr", "model.feature_dim"]
-    name = trial_run_name("sw", "t_00001", {"algorithm.lam": 0.123456, "training.lr": 0.01, "model.feature_dim": 64}, keys)
-    assert name == "sw-t_00001 [lam=0.1235 lr=0.01 feature_dim=64]"
+    name = trial_run_name("sw", "t_00001", {"algorithm.lam": 0.123456, "training.lr": 0.01, "model.feature_dim": 64}, keys,
+                          "fedproto")
+    assert name == "lam=0.1235 lr=0.01 feature_dim=64 fedproto sw-t_00001"  # a name cut short still tells trials apart
     # two keys ending alike keep their full names
-    assert trial_run_name("sw", "t", {"a.x": 1, "b.x": 2}, ["a.x", "b.x"]) == "sw-t [a.x=1 b.x=2]"
+    assert trial_run_name("sw", "t", {"a.x": 1, "b.x": 2}, ["a.x", "b.x"]) == "a.x=1 b.x=2 sw-t"
     assert trial_run_name("sw", "t", {}, []) == "sw-t"
+
+
+def test_metric_sections_sort_global_first_and_the_per_client_sections_last():
+    """The MLflow UI: one chart section per key prefix (before the last /), sorted as plain text
+    (JavaScript's default sort: code units); the Model metrics tab opens on the first."""
+    from rayfed_proto.tracking.clients import ClientSeries
+
+    s = ClientSeries(20, limit=20, sample=5, seed=0)
+    results = [{"client_id": c, "n": 10, "head_correct": 5, "proto_correct": 4, "train_loss": 0.5} for c in range(20)]
+    keys = set(s.metrics(0, results)) | names.NAMES - {names.SWEEP_TRIALS, names.SWEEP_TRIALS_ERRORED}
+    keys |= {names.train_term("loss"), names.server_metric("global_acc"), names.model_metric("server", "global_acc")}
+    sections = sorted({k.rsplit("/", 1)[0] for k in keys})  # Python's str sort is code-point order, as JS's here
+    assert sections[0] == "eval"
+    client_sections = [x for x in sections if x.startswith(names.CLIENT_SECTION)]
+    assert client_sections == sections[-len(client_sections):] == [f"zz_client/{k}" for k in names.CLIENT_SERIES]
+    # a count of diverged models is not a score: not the first eval/ chart
+    assert min(k for k in keys if k.startswith("eval/")) != "eval/clients_nonfinite"
+    assert names.RELIABILITY_CLIENTS_NONFINITE.startswith("reliability/")
+
+
+def test_schema2_names_are_read_back():
+    assert names.schema2_name("zz_client/head_acc/client_3") == "client/3/head_acc"
+    assert names.schema2_name(names.RELIABILITY_CLIENTS_NONFINITE) == "eval/clients_nonfinite"
+    assert names.schema2_name("eval/head_acc") == "eval/head_acc"
+    rows = names.upgrade_history([{"version": 1, "eval/clients_nonfinite": 0, "client/2/head_acc": 0.5}])
+    assert rows == [{"version": 1, "reliability/clients_nonfinite": 0, "zz_client/head_acc/client_2": 0.5}]
+
+
+def test_default_run_name_and_dataset_tag_say_what_ran():
+    from rayfed_proto.config import build_config
+    from rayfed_proto.tracking.run_logging import identity_tags, run_name
+
+    cfg = build_config({}, ["algorithm.name=fedproto", "data.name=npz", "data.path=/x/cifar_subset.npz", "seed=3"])
+    tags = identity_tags(cfg, "cifar_subset", "3f2a1b9c0d")
+    assert tags["dataset"] == "cifar_subset" and tags["dataset.loader"] == "npz"
+    assert tags["mlflow.runName"] == run_name("fedproto", "cifar_subset", 3, "3f2a1b9c0d") == "fedproto cifar_subset seed=3 3f2a1b"
+    named = build_config({}, ["tracking.run_name=mine"])
+    assert "mlflow.runName" not in identity_tags(named, "digits", "abc")  # a given name is kept
+
+
+def test_params_that_read_like_missing_values_are_quoted_and_bookkeeping_is_not_a_param():
+    from rayfed_proto.tracking.mlflow_tracker import BOOKKEEPING_PARAMS, param_text
+
+    assert param_text("nan") == "'nan'" and param_text(None) == "None" and param_text(float("nan")) == "nan"
+    assert param_text("sign_flip") == "sign_flip" and param_text(0.5) == "0.5"
+    assert {"tracking.output_dir", "tracking.run_name"} <= set(BOOKKEEPING_PARAMS)
+
+
+def test_sweep_plot_log_axis_and_parent_description_names_the_best_child():
+    from rayfed_proto.tuning.report import log_axis, parent_description
+    from rayfed_proto.tuning.spec import Distribution
+
+    grid = Distribution(kind="grid", args=(0.1, 1.0, 10.0))
+    assert log_axis(grid, [0.1, 1.0]) and not log_axis(Distribution(kind="grid", args=(1, 2, 3)), [1, 2])
+    assert not log_axis(Distribution(kind="uniform", args=(-1.0, 1.0)), [-0.5, 0.5])
+    ranked = [{"rank": 1, "trial": "t1", "algorithm.lam": 1.0, "eval/head_acc": 0.8, "mlflow_run_id": "abc123"},
+              {"rank": 2, "trial": "t0", "algorithm.lam": 0.1, "eval/head_acc": 0.7, "mlflow_run_id": "def456"}]
+    text = parent_description("sw", "eval/head_acc", "max", ranked, ["algorithm.lam"], "7")
+    assert "Best child run: [abc123](#/experiments/7/runs/abc123)" in text and "`algorithm.lam` = 1.0" in text

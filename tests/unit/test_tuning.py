@@ -378,8 +378,8 @@ def test_closing_a_sweep_marks_stopped_trials_killed_and_keeps_real_failures(tmp
     parent = client.create_run(exp, run_name="s").info.run_id
     runs = {}
     for trial, status in [("a_00000", "FINISHED"), ("a_00001", "RUNNING"), ("a_00002", "FAILED"), ("a_00003", "FAILED")]:
-        # run names carry the swept values after the trial id (trial_run_name)
-        run_id = client.create_run(exp, run_name=f"s-{trial} [lam=0.1]", tags={"mlflow.parentRunId": parent}).info.run_id
+        # run names: the swept values, the method, then <sweep>-<trial id> (trial_run_name)
+        run_id = client.create_run(exp, run_name=f"lam=0.1 fedproto s-{trial}", tags={"mlflow.parentRunId": parent}).info.run_id
         if status != "RUNNING":
             client.set_terminated(run_id, status=status)
         runs[trial] = run_id
