@@ -689,7 +689,7 @@ def _record_failure(tracker, scheduler, history: list[dict[str, Any]], out: Path
     except Exception as e:  # the server is gone: the scheduler's own counters still go out
         log.warning("server counters unavailable at failure: %s", e)
     counters[names.FEDERATION_UPDATES_DISPATCHED] = scheduler.stats.dispatched
-    counters[names.FEDERATION_UPDATES_DROPPED_OFFLINE] = scheduler.stats.updates_dropped_offline
+    counters[names.FEDERATION_UPDATES_DROPPED_OFFLINE] = getattr(scheduler.stats, "updates_dropped_offline", 0)
     tracker.log_metrics(counters, step=scheduler.version)
     tracker.set_tags({"failure_reason": reason[:5000]})
     if history:
