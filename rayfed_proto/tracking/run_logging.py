@@ -81,14 +81,18 @@ class RunLogging:
 
     # ------------------------------------------------------------------------------ end
     def actor_memory(self, placements: list[dict[str, Any]], step: int) -> None:
-        """Each actor's peak RSS and PSS (the last placement is the server's) under system/actors/."""
-        m: dict[str, float] = {}
-        for a, p in enumerate(placements[:-1][:MAX_ACTORS_LOGGED]):
-            for figure in names.ACTOR_MEMORY:
-                m[names.actor_memory(a, figure)] = p.get(figure, float("nan"))
+        """Each actor's peak RSS and PSS at the end (the last placement is the server's): one row
+        per actor in the table ``tables/actor_memory.json`` (a chart of one point per actor would
+        only be a dot), and the server's PSS as a metric beside the clients' max and total."""
+        import pandas as pd
+
+        rows = [{"actor": f"client_actor_{a}", **{f: p.get(f, float("nan")) for f in names.ACTOR_MEMORY}}
+                for a, p in enumerate(placements[:-1][:MAX_ACTORS_LOGGED])]
         if placements:
-            m[names.SYSTEM_SERVER_PSS_MIB] = placements[-1].get("pss_mib", float("nan"))
-        self.tracker.log_metrics(m, step=step)
+            rows.append({"actor": "server", **{f: placements[-1].get(f, float("nan")) for f in names.ACTOR_MEMORY}})
+            self.tracker.log_metrics({names.SYSTEM_SERVER_PSS_MIB: placements[-1].get("pss_mib", float("nan"))},
+                                     step=step)
+            self.tracker.log_table(pd.DataFrame(rows), "tables/actor_memory.json")
 
     def collect_models(self, server, actors, actor_clients, state_ref) -> list[dict[str, Any]]:
         """The models ``tracking.log_models`` chooses, fetched from the server and the worker actors

@@ -103,13 +103,19 @@ def test_the_drivers_metric_helpers_use_the_table():
 
     logged = []
     run_log = RunLogging.__new__(RunLogging)  # only what actor_memory and on_eval need
-    run_log.tracker = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics))
+    tables = []
+    run_log.tracker = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics),
+                                      log_table=lambda frame, artifact_file: tables.append((artifact_file, frame)))
     run_log.series = ClientSeries(2, limit=5, sample=2, seed=0)
     run_log.actor_memory([{"peak_rss_mib": 1.0, "pss_mib": 2.0}, {"peak_rss_mib": 3.0, "pss_mib": 4.0}], step=3)
     rest = run_log.on_eval(3, dict(m))
     assert names.PER_CLIENT not in rest and rest == {k: v for k, v in m.items() if k != names.PER_CLIENT}
-    assert logged[0] == {"system/actors/client_actor_0_peak_rss_mib": 1.0, "system/actors/client_actor_0_pss_mib": 2.0,
-                         names.SYSTEM_SERVER_PSS_MIB: 4.0}
+    # per actor: a table, not one single-point chart per actor and figure (issue 26, item 7)
+    assert logged[0] == {names.SYSTEM_SERVER_PSS_MIB: 4.0}
+    (path, frame), = tables
+    assert path == "tables/actor_memory.json"
+    assert frame.to_dict("records") == [{"actor": "client_actor_0", "peak_rss_mib": 1.0, "pss_mib": 2.0},
+                                        {"actor": "server", "peak_rss_mib": 3.0, "pss_mib": 4.0}]
     assert logged[1]["zz_client/head_acc/client_0"] == pytest.approx(0.8)
     assert logged[1]["zz_client/train_loss/client_1"] == 0.9
     assert all(names.is_name(k) for batch in logged for k in batch)
