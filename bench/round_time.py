@@ -9,9 +9,14 @@ each client in turn trains, collects its prototypes, is evaluated; torch's defau
 then the platform (a fresh `rayfed-proto run` process, default resources: `clients_per_actor:
 auto`), then the plain loop again; the ratio is the platform's median round over rounds 2..R
 against the median of both plain runs' rounds 2..R (``--no-bracket``: one plain run, after).
-``--reference htfllib`` (or ``both``) measures against HtFLlib/PFLlib's own loop instead (or too):
-`bench/_htfllib.py`, their per-sample Python loops, DataLoaders and evaluate-before-train order on the
-same workload, run once after the platform; its ratio is the platform's median over its median, rounds 2..R.
+``--reference htfllib`` (or ``both``) measures against a MODEL of HtFLlib/PFLlib's own loop instead
+(or too): `bench/_htfllib.py`, their code re-written over this workload (per-sample Python loops,
+DataLoaders, evaluate-before-train, for FedProto HtFLlib's disk round trips), run once after the
+platform at the thread count of this process; its ratio is the platform's median over its median,
+rounds 2..R. It is not the real HtFLlib code: every line and field for it says "model", and the
+calibration of the model against the real code (model / real round time on this workload,
+`bench/results/htfllib_calibration.json`, made by `bench/htfllib_calibration.py` with a
+checkout of HtFLlib) is printed and recorded beside it, where one was measured for that flavour.
 
     .venv/bin/python bench/round_time.py --out bench/results/round_time            # both methods, 10 rounds
     .venv/bin/python bench/round_time.py --methods fedproto --rounds 3 --samples 10000   # a quick look
@@ -34,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _htfllib import run_htfllib  # noqa: E402
+from _htfllib import FLAVOURS, default_flavour, run_htfllib  # noqa: E402
 from _plain import run_plain, write_results  # noqa: E402
 
 
@@ -80,8 +85,29 @@ def run_platform(args, method: str, tmp: Path) -> dict:
 
 
 COLS = ["method", "rounds", "platform_round_s", "plain_round_s", "ratio", "platform_startup_s", "plain_startup_s",
-        "platform_head_acc", "plain_head_acc", "acc_diff_pp", "platform_actors", "htfllib_round_s", "htfllib_ratio",
-        "htfllib_head_acc"]
+        "platform_head_acc", "plain_head_acc", "acc_diff_pp", "platform_actors", "htfllib_model_flavour",
+        "htfllib_model_round_s", "htfllib_model_ratio", "htfllib_model_over_real", "htfllib_model_head_acc"]
+CALIBRATION = Path(__file__).resolve().parent / "results" / "htfllib_calibration.json"
+
+
+def calibration(method: str, flavour: str) -> dict | None:
+    """The model's measured round time over the real code's, for ``method`` in ``flavour``, from
+    ``bench/results/htfllib_calibration.json`` (None where that pair was never calibrated: the
+    file holds HtFLlib's FedProto; FedAvg's model was never run against the real PFLlib)."""
+    if not CALIBRATION.exists():
+        return None
+    import json
+
+    cal = json.loads(CALIBRATION.read_text())
+    if cal.get("method") != method:
+        return None
+    wall = cal.get(f"{flavour}_model_over_real_wall")
+    if wall is None:
+        return None
+    cpu = cal.get(f"{flavour}_model_over_real_cpu") or {}
+    return {"model_over_real": wall["median_of_ratios"], "model_over_real_cpu": cpu.get("median_of_ratios"),
+            "threads": cal.get("torch_threads"), "samples": cal.get("args", {}).get("samples"),
+            "measured": cal.get("measured"), "source": "bench/results/htfllib_calibration.json"}
 
 
 def _measure(args, method: str):
@@ -107,8 +133,10 @@ def _measure(args, method: str):
             plains.append(run_plain(cfg, device=args.device, echo=echo, channels_last=args.plain_channels_last))
         ht = None
         if args.reference in ("htfllib", "both"):
-            print(f"[{method}] HtFLlib loop ...", flush=True)
-            ht = run_htfllib(cfg, device=args.device, echo=echo)
+            flavour = args.htfllib_flavour or default_flavour(cfg)
+            print(f"[{method}] model of the {'HtFLlib' if flavour == 'htfllib' else 'PFLlib'} loop (bench/_htfllib.py, "
+                  f"flavour {flavour}) ...", flush=True)
+            ht = run_htfllib(cfg, device=args.device, echo=echo, flavour=flavour)
     return ours, plains, ht
 
 
@@ -121,10 +149,15 @@ def _plain_fields(ours: dict, ours_med: float, plains: list) -> dict:
             "plain_rounds_s": [[round(r, 2) for r in p.round_s] for p in plains]}
 
 
-def _htfllib_fields(ours_med: float, ht) -> dict:
+def _htfllib_fields(method: str, ours_med: float, ht) -> dict:
+    """The model's figures: every key says ``htfllib_model``; the calibration against the real code beside them."""
     ht_med = ht.median_round()  # rounds 2..R
-    return {"htfllib_round_s": round(ht_med, 2), "htfllib_ratio": round(ours_med / ht_med, 3),
-            "htfllib_head_acc": round(ht.head_acc[-1], 4), "htfllib_rounds_s": [round(r, 2) for r in ht.round_s]}
+    cal = calibration(method, ht.flavour)
+    return {"htfllib_model_flavour": ht.flavour, "htfllib_model_threads": ht.threads,
+            "htfllib_model_round_s": round(ht_med, 2), "htfllib_model_ratio": round(ours_med / ht_med, 3),
+            "htfllib_model_over_real": cal["model_over_real"] if cal else "not calibrated",
+            "htfllib_model_calibration": cal, "htfllib_model_head_acc": round(ht.head_acc[-1], 4),
+            "htfllib_model_rounds_s": [round(r, 2) for r in ht.round_s]}
 
 
 def _row(args, method: str, ours: dict, plains: list, ht) -> dict:
@@ -139,9 +172,14 @@ def _row(args, method: str, ours: dict, plains: list, ht) -> dict:
         print(f"{head}, plain {r['plain_round_s']} s, ratio {r['ratio']}; head acc {r['platform_head_acc']} vs "
               f"{r['plain_head_acc']} ({r['acc_diff_pp']:+} pp)", flush=True)
     if ht is not None:
-        r.update(_htfllib_fields(ours_med, ht))
-        print(f"{head}, HtFLlib loop {r['htfllib_round_s']} s, ratio {r['htfllib_ratio']}; head acc "
-              f"{r['platform_head_acc']} vs {r['htfllib_head_acc']}", flush=True)
+        r.update(_htfllib_fields(method, ours_med, ht))
+        cal = r["htfllib_model_calibration"]
+        cal_s = (f"calibrated: model / real HtFLlib round {cal['model_over_real']} ({cal['source']})" if cal
+                 else "not calibrated against the real code")
+        lib = "HtFLlib" if r["htfllib_model_flavour"] == "htfllib" else "PFLlib"
+        print(f"{head}, model of the {lib} loop ({r['htfllib_model_flavour']}, {r['htfllib_model_threads']} torch "
+              f"threads) {r['htfllib_model_round_s']} s, ratio vs the model {r['htfllib_model_ratio']} [{cal_s}]; "
+              f"head acc {r['platform_head_acc']} vs {r['htfllib_model_head_acc']}", flush=True)
     return r
 
 
@@ -162,7 +200,9 @@ def main() -> None:
                     "instead of HtFLlib's contiguous layout: what the ratio owes to the layout alone")
     ap.add_argument("--reference", choices=["plain", "htfllib", "both"], default="plain",
                     help="the loop(s) the platform is measured against: bench/_plain.py's (bracketed), "
-                    "bench/_htfllib.py's HtFLlib/PFLlib loop (once, after the platform), or both")
+                    "bench/_htfllib.py's model of the HtFLlib/PFLlib loop (once, after the platform), or both")
+    ap.add_argument("--htfllib-flavour", choices=FLAVOURS, default=None,
+                    help="the model's flavour (default: htfllib for FedProto, pfllib for FedAvg; see bench/_htfllib.py)")
     args = ap.parse_args()
     if args.device == "cuda":
         import torch
