@@ -274,8 +274,9 @@ class FedSAClient(ClientAlgorithm):
     def margin(self) -> float:
         """m = max(d_global, d_local) for the current anchors and last upload (cached)."""
         if self._margin is None:
-            anchors = torch.as_tensor(np.asarray(self.guidance.vectors)) if self.guidance is not None else torch.zeros(0, 0)
-            local = torch.as_tensor(np.asarray(self.local.vectors)) if self.local is not None else None
+            # copies: the broadcast's arrays are read-only views of Ray's object store
+            anchors = torch.tensor(np.asarray(self.guidance.vectors)) if self.guidance is not None else torch.zeros(0, 0)
+            local = torch.tensor(np.asarray(self.local.vectors)) if self.local is not None else None
             self._margin = client_margin(anchors, local, self.options.margin_statistic)
         return self._margin
 

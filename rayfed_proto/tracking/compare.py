@@ -54,7 +54,8 @@ PARENT_TAG = "mlflow.parentRunId"
 ALGORITHM_KEY = "algorithm.name"
 
 # params that never tell two groups apart: how and where a run ran, not what it computed
-OPERATIONAL_PREFIXES = ("tracking.", "resources.", "checkpoint.", "reliability.", "faults.", "plan.", "derived.")
+# client.*: what the partition gave each client (client.test_samples), which differs with the seed
+OPERATIONAL_PREFIXES = ("tracking.", "resources.", "checkpoint.", "reliability.", "faults.", "plan.", "derived.", "client.")
 OPERATIONAL_KEYS = frozenset({"seed", "data.root", "data.download", "federation.eval_every"})
 
 CSV_NAME, MARKDOWN_NAME, LEFT_OUT_NAME = "comparison.csv", "comparison.md", "left_out.csv"

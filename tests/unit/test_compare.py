@@ -39,7 +39,8 @@ def _std(*v: float) -> float:
 def _params(algorithm: str, seed: int, **extra) -> dict[str, str]:
     p = {"algorithm.name": algorithm, "seed": str(seed), "data.name": "digits", "federation.rounds": "15",
          "federation.mode": "sync", "tracking.run_name": f"{algorithm}-s{seed}", "tracking.output_dir": f"runs/{algorithm}{seed}",
-         "resources.num_cpus": str(2 + seed), "plan.num_actors": str(1 + seed), "checkpoint.every": "5"}
+         "resources.num_cpus": str(2 + seed), "plan.num_actors": str(1 + seed), "checkpoint.every": "5",
+         "client.test_samples": str([10 + seed, 12])}  # the partition's, differs with the seed: never a group key
     if algorithm == "fedproto":
         p["algorithm.lam"] = "1.0"
     p.update({k: str(v) for k, v in extra.items()})
