@@ -165,36 +165,7 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
     from ray import tune
 
     cwd = Path.cwd()
-    if resume is not None:
-        exp_path = resume if _is_uri(resume) else str(Path(resume).resolve())
-        state = _read_state(exp_path)
-        spec = parse_sweep(state["sweep"], state["source"], cwd)
-        store_uri, parent_run_id = state["store_uri"], state["parent_run_id"]
-        output_dir = state["output_dir"]
-        if tracking_uri is not None and store_uri is not None:  # the sweep's MLflow server moved (its cluster is gone)
-            store_uri = resolve_tracking_uri(tracking_uri)
-            if not (is_remote_uri(store_uri) or store_uri.startswith("sqlite:///")):
-                raise ConfigError([ConfigIssue(key="--tracking-uri", value=store_uri, allowed=(
-                    "for a sweep: a sqlite store (sqlite:///..., or a .db path) served by a local MLflow server, or an "
-                    "http(s):// MLflow server over the sweep's store"))], spec.source)
-            state["store_uri"] = store_uri
-    else:
-        assert spec is not None
-        base_tr = spec.base_config.tracking
-        store_uri = None
-        if base_tr.enabled:
-            store_uri = tracking_uri or spec.file.tracking_uri or base_tr.tracking_uri
-            store_uri = resolve_tracking_uri(store_uri)
-            if not (is_remote_uri(store_uri) or store_uri.startswith("sqlite:///")):
-                raise ConfigError([ConfigIssue(key="tracking.tracking_uri", value=store_uri, allowed=(
-                    "for a sweep: a sqlite store (sqlite:///..., or a .db path) served by a local MLflow server, "
-                    "or an http(s):// MLflow server"))], spec.source)
-        output_dir = str(Path(spec.base_config.tracking.output_dir).expanduser().resolve())
-        storage = spec.file.storage_path if _is_uri(spec.file.storage_path) else str(Path(spec.file.storage_path).expanduser().resolve())
-        exp_name = f"{spec.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        exp_path = f"{storage.rstrip('/')}/{exp_name}"
-        parent_run_id = None
-
+    spec, state, exp_path, store_uri, parent_run_id, output_dir = _place(spec, resume, tracking_uri, cwd)
     base_raw = copy.deepcopy(spec.base_raw)
     absolute_paths(base_raw, cwd)  # trials run in their own folders; best.yaml keeps the paths as written
     _connect_ray(address, spec)
@@ -265,6 +236,38 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
             server.stop()
         if asked:
             withdraw_request()
+
+
+def _sweep_store(uri: str, key: str, source: str) -> str:
+    """A sweep's tracking store: a sqlite file (served by a local MLflow server) or a server."""
+    if not (is_remote_uri(uri) or uri.startswith("sqlite:///")):
+        raise ConfigError([ConfigIssue(key=key, value=uri, allowed=(
+            "for a sweep: a sqlite store (sqlite:///..., or a .db path) served by a local MLflow server, or an "
+            "http(s):// MLflow server"))], source)
+    return uri
+
+
+def _place(spec: Optional[SweepSpec], resume: Optional[str], tracking_uri: Optional[str], cwd: Path):
+    """Where a sweep lives: (spec, state, experiment path, store URI, parent run id, output dir),
+    read from the sweep folder ``resume`` (``tracking_uri``: its MLflow server moved) or new."""
+    if resume is not None:
+        exp_path = resume if _is_uri(resume) else str(Path(resume).resolve())
+        state = _read_state(exp_path)
+        spec = parse_sweep(state["sweep"], state["source"], cwd)
+        store_uri = state["store_uri"]
+        if tracking_uri is not None and store_uri is not None:  # the sweep's MLflow server moved (its cluster is gone)
+            store_uri = state["store_uri"] = _sweep_store(resolve_tracking_uri(tracking_uri), "--tracking-uri", spec.source)
+        return spec, state, exp_path, store_uri, state["parent_run_id"], state["output_dir"]
+    assert spec is not None
+    base_tr = spec.base_config.tracking
+    store_uri = None
+    if base_tr.enabled:
+        store_uri = _sweep_store(resolve_tracking_uri(tracking_uri or spec.file.tracking_uri or base_tr.tracking_uri),
+                                 "tracking.tracking_uri", spec.source)
+    output_dir = str(Path(base_tr.output_dir).expanduser().resolve())
+    storage = spec.file.storage_path if _is_uri(spec.file.storage_path) else str(Path(spec.file.storage_path).expanduser().resolve())
+    exp_path = f"{storage.rstrip('/')}/{spec.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return spec, None, exp_path, store_uri, None, output_dir
 
 
 def _start_parent_run(client, experiment_id: str, spec: SweepSpec, exp_path: str) -> str:
