@@ -197,6 +197,13 @@ class ResourcesConfig(_Section):
     park_idle_clients: Union[Auto, bool] = Field(
         "auto", description="keep a client's model only while it trains or is evaluated, its state parked as tensors "
         "otherwise; auto: when federation.num_clients > 100")
+    park_to: Literal["auto", "memory", "disk"] = Field(
+        "auto", description="where parked client states live: memory, or disk (one file per state on the worker's "
+        "node, so memory follows the clients training, not the clients hosted: 10,000 clients); auto: disk when "
+        "federation.num_clients > 1000")
+    park_dir: Optional[str] = Field(
+        None, min_length=1, description="park_to=disk: local folder on every worker node for the parked states "
+        "(a subfolder per worker, removed when it ends); None: the node's temp folder")
     client_num_cpus: Union[Auto, float] = "auto"
     client_num_gpus: Union[Auto, float] = "auto"
     server_num_cpus: Union[Auto, float] = "auto"
@@ -215,6 +222,9 @@ class ResourcesConfig(_Section):
 
     def parks_clients(self, num_clients: int) -> bool:
         return num_clients > 100 if self.park_idle_clients == "auto" else bool(self.park_idle_clients)
+
+    def parks_on_disk(self, num_clients: int) -> bool:
+        return num_clients > 1000 if self.park_to == "auto" else self.park_to == "disk"
 
     @field_validator("client_num_cpus", "client_num_gpus", "server_num_cpus", "server_num_gpus")
     @classmethod

@@ -357,7 +357,9 @@ def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cfg:
     if len(ids) != num_clients:
         raise ValueError(f"dataset {dataset.name!r} has {len(ids)} distinct client ids, but federation.num_clients = "
                          f"{num_clients}; set federation.num_clients={len(ids)}")
-    return [np.flatnonzero(dataset.client_ids == i) for i in ids]
+    order = np.argsort(dataset.client_ids, kind="stable")  # one sort, not a scan per client (10,000 writers)
+    starts = np.searchsorted(dataset.client_ids[order], ids)
+    return np.split(order, starts[1:])
 
 
 # --------------------------------------------------------------------------- domains

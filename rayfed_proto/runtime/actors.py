@@ -25,6 +25,7 @@ from rayfed_proto.config import ExperimentConfig, build_config
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import GlobalState
 from rayfed_proto.runtime.core import ClientHost, EvalSet, ServerCore, corrupt_update
+from rayfed_proto.runtime.parking import ParkedStates
 from rayfed_proto.runtime.policies import ServerNeeds
 
 
@@ -106,8 +107,10 @@ class ClientActor:
         """Take this worker's clients; ``dataset`` arrives from the object store (zero-copy)."""
         # the public proxy set: images only (labels dropped), one tensor shared by this worker's clients
         public_x = dataset.tensors(public_idx)[0] if public_idx is not None and len(public_idx) else None
-        park = self.cfg.resources.parks_clients(self.cfg.federation.num_clients)
-        self.host = ClientHost(self.cfg, dataset, splits, self.device, public_x, park=park)
+        res, num_clients = self.cfg.resources, self.cfg.federation.num_clients
+        park = res.parks_clients(num_clients)
+        parked = ParkedStates.on_disk(res.park_dir) if park and res.parks_on_disk(num_clients) else None
+        self.host = ClientHost(self.cfg, dataset, splits, self.device, public_x, park=park, parked=parked)
         return self.host.client_ids
 
     def train(self, client_id: int, state: GlobalState, keep_from: int | None = None):
@@ -118,10 +121,14 @@ class ClientActor:
             meta["corrupted"] = True
         return meta, update
 
-    def snapshot(self) -> tuple[dict[int, dict[str, Any]], torch.Tensor]:
-        """Every hosted client's state (for checkpoints) and this process's torch RNG (kept in the
+    def snapshot(self) -> tuple[list[int], torch.Tensor]:
+        """The hosted clients that have a state (for checkpoints, which fetch them in chunks with
+        :meth:`client_states`: :class:`RemoteStates`) and this process's torch RNG (kept in the
         format for older checkpoints; each client carries its own stream now)."""
-        return self.host.state_dicts(), torch.get_rng_state()
+        return self.host.stateful_clients(), torch.get_rng_state()
+
+    def client_states(self, client_ids: list[int]) -> dict[int, dict[str, Any]]:
+        return self.host.client_states(client_ids)
 
     def restore(self, states: dict[int, dict[str, Any]], rng: torch.Tensor | None = None) -> list[int]:
         """Load checkpointed client states (clients without one keep their fresh initialisation)."""
@@ -150,6 +157,28 @@ class ClientActor:
                 "materialised": self.host.materialised if self.host is not None else 0,
                 "torch_threads": torch.get_num_threads(), "peak_rss_mib": _peak_rss_mib(), "pss_mib": _pss_mib(),
                 "gpu_peak_mib": _gpu_peak_mib(self.device)}
+
+
+class RemoteStates:
+    """A worker's client states for a checkpoint, fetched ``chunk`` clients at a time as they are
+    iterated: the checkpoint writes each chunk before the next is asked for, so the driver holds a
+    chunk, not every client's state (10,000 clients with 3 MiB models are 33 GB). Iterable again
+    (a checkpoint write that failed is retried)."""
+
+    def __init__(self, actor, clients: list[int], index: int = -1, chunk: int = 32):
+        self.actor, self.clients, self.index, self.chunk = actor, list(clients), index, chunk
+
+    def __len__(self) -> int:
+        return len(self.clients)
+
+    def items(self):
+        for i in range(0, len(self.clients), self.chunk):
+            try:
+                states = ray.get(self.actor.client_states.remote(self.clients[i : i + self.chunk]))
+            except ray.exceptions.RayActorError as err:
+                err.actor_index = self.index  # which worker to recreate (Recovery.checkpoint)
+                raise
+            yield from states.items()
 
 
 @ray.remote(max_concurrency=4)  # threaded: submissions, version waits and stats run beside training

@@ -286,7 +286,8 @@ class CheckpointStore:
         """:meth:`save`, retried on an OS error (disk full, a network file system hiccup); when every
         attempt fails, a warning says so and None is returned: the previous checkpoint still
         stands and the run goes on (a fault during a run must not end it as if the input were bad)."""
-        parts["clients"] = list(parts["clients"])  # a generator would be spent by the first attempt
+        if iter(parts["clients"]) is parts["clients"]:  # a generator would be spent by the first attempt
+            parts["clients"] = list(parts["clients"])
         for attempt in range(1, attempts + 1):
             try:
                 return self.save(version, **parts)

@@ -26,6 +26,7 @@ from rayfed_proto.config import ExperimentConfig, group_is_homogeneous
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
+from rayfed_proto.runtime.parking import ParkedStates, resolve
 from rayfed_proto.runtime.policies import ServerNeeds
 
 log = logging.getLogger("rayfed_proto")
@@ -268,8 +269,10 @@ class ClientHost:
     state is *parked* as the same plain tensors a checkpoint holds, and the runner is dropped; a
     client that never trained holds nothing (it is rebuilt from its seed, exactly as at the
     start). An evaluation leaves a parked client as it was. So a 1,000-client cross-device run
-    keeps only the clients in flight as live models. With ``park=False`` every hosted client
-    stays live (cheapest for small federations).
+    keeps only the clients in flight as live models. Parked states live in memory or, with a
+    ``parked`` store on disk (:mod:`rayfed_proto.runtime.parking`), one file each, so memory
+    follows the clients in flight, not the clients hosted (10,000 clients). With ``park=False``
+    every hosted client stays live (cheapest for small federations).
 
     **Evaluation states.** The evaluation of version v asks, for each client, for its state after
     a given number of local updates (``as_of``: its latest update the server had handled when v
@@ -280,11 +283,11 @@ class ClientHost:
     """
 
     def __init__(self, cfg: ExperimentConfig, dataset: ArrayDataset, splits: list[ClientSplit], device: torch.device,
-                 public_x: Optional[torch.Tensor] = None, park: bool = False):
+                 public_x: Optional[torch.Tensor] = None, park: bool = False, parked: Optional[ParkedStates] = None):
         self.cfg, self.dataset, self.device, self.public_x, self.park = cfg, dataset, device, public_x, park
         self.splits = {s.client_id: s for s in splits}
         self.live: dict[int, ClientRunner] = {}
-        self.parked: dict[int, dict[str, Any]] = {}
+        self.parked = parked if parked is not None else ParkedStates()  # in memory unless given a store on disk
         self.materialised = 0  # runners built (a count for tests and logs)
         # client -> {local updates done: evaluation state}; None stands for the seeded initial state
         self.kept: dict[int, dict[int, Optional[dict[str, Any]]]] = {}
@@ -301,7 +304,7 @@ class ClientHost:
         if runner is None:
             runner = ClientRunner(self.cfg, self.splits[c], self.dataset, self.device, self.public_x)
             if c in self.parked:
-                runner.load_state_dict(self.parked[c])
+                runner.load_state_dict(self.parked.get(c))
             self.live[c] = runner
             self.materialised += 1
         return runner
@@ -310,14 +313,13 @@ class ClientHost:
         if self.park:
             runner = self.live.pop(c)
             if keep_state:
-                self.parked[c] = runner.state_dict()
+                self.parked.put(c, runner.state_dict())
 
     def updates_done(self, c: int) -> int:
         """Local updates client ``c`` has completed (its state's name for evaluations)."""
         if c in self.live:
             return self.live[c].updates
-        parked = self.parked.get(c)
-        return int(parked.get("updates", 0)) if parked is not None else 0
+        return self.parked.updates(c) if c in self.parked else 0
 
     def update_counts(self) -> dict[int, int]:
         return {c: self.updates_done(c) for c in self.client_ids}
@@ -333,10 +335,8 @@ class ClientHost:
         if n >= keep_from:
             if c in self.live:
                 kept[n] = self.live[c].eval_state()
-            elif c in self.parked:  # the update replaces this dict, never changes it
-                st = self.parked[c]
-                kept[n] = {"model": st["model"], "algorithm": copy.deepcopy(st["algorithm"]),
-                           "last_loss": st["last_loss"], "updates": n}
+            elif c in self.parked:  # the update parks a new state, never changes this one: shared
+                kept[n] = self.parked.share(c)
             else:
                 kept[n] = None  # never trained: rebuilt from its seed
         if kept:
@@ -379,7 +379,7 @@ class ClientHost:
             if kept[want] is None:
                 runner = self.live[c] = ClientRunner(self.cfg, self.splits[c], self.dataset, self.device, self.public_x)
             else:
-                runner.load_eval_state(kept[want])
+                runner.load_eval_state(resolve(kept[want]))
             return runner.evaluate(state)
         current = runner.eval_state()
         try:
@@ -403,21 +403,37 @@ class ClientHost:
         """Every client with a state (live, or parked; a never-trained parked client has none), with
         the earlier states an evaluation may still ask for (``kept``: with a virtual clock, a client
         whose update is in simulated flight at a checkpoint is evaluated as before it)."""
-        states = {**self.parked, **{c: r.state_dict() for c, r in self.live.items()}}
-        for c, kept in self.kept.items():
-            if c in states:
-                states[c] = {**states[c], "kept": {int(n): st for n, st in kept.items()}}
+        return self.client_states(self.stateful_clients())
+
+    def stateful_clients(self) -> list[int]:
+        """The clients :meth:`state_dicts` returns a state for."""
+        return sorted(set(self.parked.clients()) | set(self.live))
+
+    def client_states(self, clients: list[int]) -> dict[int, dict[str, Any]]:
+        """:meth:`state_dicts` for ``clients`` only (a checkpoint fetches a worker's states in chunks)."""
+        states = {}
+        for c in clients:
+            if c in self.live:
+                st = self.live[c].state_dict()
+            elif c in self.parked:
+                st = self.parked.get(c)
+            else:
+                continue
+            if c in self.kept:
+                st = {**st, "kept": {int(n): resolve(k) if k is not None else None for n, k in self.kept[c].items()}}
+            states[c] = st
         return states
 
     def load_state_dicts(self, states: dict[int, dict[str, Any]]) -> None:
         for c, st in states.items():
             self.kept.pop(c, None)
             if st.get("kept"):
-                self.kept[c] = {int(n): kept for n, kept in st["kept"].items()}
+                self.kept[c] = {int(n): kept if kept is None else self.parked.hold(kept, c)
+                                for n, kept in st["kept"].items()}
                 st = {k: v for k, v in st.items() if k != "kept"}
             if self.park:
                 self.live.pop(c, None)
-                self.parked[c] = st
+                self.parked.put(c, st)
             else:
                 self._runner(c).load_state_dict(st)
 

@@ -166,14 +166,13 @@ class ActorFleet:
         """Server and every worker's clients as ``ckpt`` saved them; returns the server's version."""
         version = ray.get(self.handles["server"].restore.remote(ckpt.server_state()))
         rngs = ckpt.actor_rng()
-        saved = {c: ckpt.client_state(c) for c in range(self.fed.num_clients)}
-        ray.get([actor.restore.remote({c: saved[c] for c in self.groups[a] if saved[c] is not None}, rngs.get(a))
-                 for a, actor in enumerate(self.handles["actors"])])
+        for a, actor in enumerate(self.handles["actors"]):
+            _restore_clients(actor, ckpt, self.groups[a], rngs.get(a))
         return version
 
     def save_checkpoint(self, server_snap: dict[str, Any], actor_snaps: list, driver: dict[str, Any], run_id):
         """Write one checkpoint (retried; None when it failed and the previous one stands)."""
-        clients = ((c, st) for states, _ in actor_snaps for c, st in states.items())
+        clients = _Chained([states for states, _ in actor_snaps])
         path = self.store.save_or_warn(server_snap["core"]["version"], server=server_snap, clients=clients,
                                        actor_rng={a: rng for a, (_, rng) in enumerate(actor_snaps)}, driver=driver,
                                        run_id=run_id)
@@ -189,10 +188,8 @@ class ActorFleet:
         """Worker ``a`` died: a new one in its bundle, its clients from the latest checkpoint (or fresh)."""
         actor = self.new_worker(a)
         latest = self.store.latest()
-        states = {c: latest.client_state(c) for c in self.groups[a]} if latest is not None else {}
-        states = {c: st for c, st in states.items() if st is not None}
-        ray.get(actor.restore.remote(states))
-        echo(f"client actor {a} recreated " + (f"from the checkpoint of version {latest.version}" if states
+        restored = _restore_clients(actor, latest, self.groups[a]) if latest is not None else 0
+        echo(f"client actor {a} recreated " + (f"from the checkpoint of version {latest.version}" if restored
                                                else "re-initialised (no checkpoint yet)"))
         return actor
 
@@ -242,3 +239,28 @@ class ActorFleet:
             except Exception:  # the cluster is gone already
                 pass
             self.pg = None
+
+
+class _Chained:
+    """(client, state) over every worker's :class:`~rayfed_proto.runtime.actors.RemoteStates`,
+    iterable again (a failed checkpoint write is retried; a generator would be spent)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def __iter__(self):
+        return ((c, st) for states in self.parts for c, st in states.items())
+
+
+def _restore_clients(actor, ckpt, clients: list[int], rng=None, chunk: int = 32) -> int:
+    """Load the checkpointed states of ``clients`` into ``actor``, ``chunk`` at a time (the driver
+    holds a chunk, not every client's state); clients without one keep their fresh start. Returns
+    how many were restored."""
+    saved = set(ckpt.manifest.get("clients", [])) if ckpt.manifest.get("clients") is not None else None
+    todo = [c for c in clients if saved is None or c in saved]
+    restored = 0
+    for i in range(0, max(len(todo), 1), chunk):
+        states = {c: st for c in todo[i : i + chunk] if (st := ckpt.client_state(c)) is not None}
+        ray.get(actor.restore.remote(states, rng if i == 0 else None))
+        restored += len(states)
+    return restored

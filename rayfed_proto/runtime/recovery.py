@@ -18,6 +18,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError
 
+from rayfed_proto.runtime.actors import RemoteStates
 from rayfed_proto.runtime.policies import Pending
 
 log = logging.getLogger("rayfed_proto")
@@ -144,15 +145,30 @@ class Recovery:
         actor_snaps = []
         for a in range(len(s.actors)):
             try:
-                actor_snaps.append(ray.get(s.actors[a].snapshot.remote()))
+                actor_snaps.append(self._client_snapshot(a))
             except RayActorError as err:  # recreated from the previous checkpoint: that is its state now
                 self.client_actor_died(a, None, err)
-                actor_snaps.append(ray.get(s.actors[a].snapshot.remote()))
-        if s.hooks.on_checkpoint(s.version, server_snap, actor_snaps):
+                actor_snaps.append(self._client_snapshot(a))
+        try:
+            written = s.hooks.on_checkpoint(s.version, server_snap, actor_snaps)
+        except RayActorError as err:  # died while its states were fetched: this checkpoint is not written
+            a = getattr(err, "actor_index", None)
+            if a is None:
+                raise
+            log.warning("client actor %d died while checkpoint %d was written; the previous checkpoint stands", a,
+                        s.version)
+            self.client_actor_died(a, None, err)
+            written = False
+        if written:
             self.last_checkpoint = s.version
             s.stats.checkpoints += 1
         else:  # retried and failed: the previous checkpoint stands; the next one due (or the end's) tries again
             s.stats.checkpoints_failed += 1
+
+    def _client_snapshot(self, a: int):
+        """(worker ``a``'s client states, fetched in chunks as the checkpoint writes them, its RNG)."""
+        clients, rng = ray.get(self.s.actors[a].snapshot.remote())
+        return RemoteStates(self.s.actors[a], clients, a), rng
 
     def check_drain_timeout(self) -> None:
         if not self.draining():

@@ -1,0 +1,152 @@
+"""Parked client states on local disk (resources.park_to: disk): exact, bounded, cleaned up.
+No Ray: ClientHost and the fleet's chunked restore are driven in-process."""
+
+import copy
+import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rayfed_proto.config import build_config
+from rayfed_proto.data import load_dataset, make_partition
+from rayfed_proto.messages import GlobalState
+from rayfed_proto.runtime import fleet as fleet_mod
+from rayfed_proto.runtime.core import ClientHost
+from rayfed_proto.runtime.parking import SUBDIR, OnDisk, ParkedStates, remove_orphaned
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def fed():
+    cfg = build_config({}, ["algorithm.name=fedproto", "federation.num_clients=4", "model.feature_dim=16",
+                            "data.partition.beta=1.0"])
+    ds = load_dataset(cfg.data, cfg.seed)
+    part = make_partition(ds, cfg.data.partition, 4, cfg.seed, cfg.data.test_fraction)
+    return cfg, ds, part
+
+
+def _on_disk(tmp_path) -> ParkedStates:
+    return ParkedStates.on_disk(str(tmp_path))
+
+
+def test_a_state_on_disk_loads_bit_for_bit_and_its_file_goes_with_the_last_reference(tmp_path):
+    state = {"model": {"w": torch.randn(3, 4, dtype=torch.float64)}, "algorithm": {"p": np.arange(5.0)},
+             "last_loss": float("nan"), "updates": 7, "rng": torch.get_rng_state()}
+    h = OnDisk(tmp_path / "a.pt", state)
+    back = h.load()
+    assert torch.equal(back["model"]["w"], state["model"]["w"]) and back["model"]["w"].dtype == torch.float64
+    assert np.array_equal(back["algorithm"]["p"], state["algorithm"]["p"]) and back["updates"] == h.updates == 7
+    assert torch.equal(back["rng"], state["rng"]) and np.isnan(back["last_loss"])
+    shared = [h]  # a second reference (an evaluation's kept state) keeps the file
+    del h
+    gc.collect()
+    assert (tmp_path / "a.pt").exists()
+    shared.clear()
+    assert not (tmp_path / "a.pt").exists()
+
+
+def test_clients_parked_on_disk_train_and_evaluate_exactly_as_live_ones_and_memory_holds_no_state(fed, tmp_path):
+    cfg, ds, part = fed
+    live = ClientHost(cfg, ds, part.clients, CPU, park=False)
+    disk = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path))
+    state = GlobalState(version=0)
+    for rnd in range(3):
+        for c in (2, 0, 3):
+            _, ul = live.train(c, state, keep_from=rnd)
+            _, ud = disk.train(c, state, keep_from=rnd)
+            assert np.array_equal(ul.prototypes.vectors, ud.prototypes.vectors)
+            assert disk.live_count() == 0
+        state = GlobalState(version=rnd + 1, prototypes=ul.prototypes)
+        as_of = {c: max(0, n - 1) for c, n in live.update_counts().items()}  # the state before the latest update
+        ev_live, ev_disk = live.evaluate([0, 1, 2, 3], state, as_of), disk.evaluate([0, 1, 2, 3], state, as_of)
+        assert repr(ev_live) == repr(ev_disk)
+    # what stays in memory is a handle per parked (or kept) state, never a tensor
+    assert all(isinstance(disk.parked.handle_of(c), OnDisk) for c in disk.parked.clients())
+    assert all(isinstance(k, OnDisk) for kept in disk.kept.values() for k in kept.values() if k is not None)
+    held = {id(disk.parked.handle_of(c)) for c in disk.parked.clients()}
+    held |= {id(k) for kept in disk.kept.values() for k in kept.values() if k is not None}
+    assert disk.parked.files() == len(held)  # one file per state held, the replaced ones deleted
+    # a checkpoint's view (chunk by chunk) equals the live host's, kept states included
+    a, b = live.client_states([0, 2, 3]), disk.client_states([0, 2, 3])
+    assert sorted(disk.stateful_clients()) == [0, 2, 3] and sorted(b[0]["kept"]) == sorted(a[0]["kept"])
+    for c in (0, 2, 3):
+        for k, v in a[c]["model"].items():
+            assert torch.equal(v, b[c]["model"][k])
+    # restored on disk from those states, a host continues exactly as the live one
+    restored = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path))
+    restored.load_state_dicts(copy.deepcopy(live.state_dicts()))
+    assert restored.update_counts() == live.update_counts()
+    _, ul = live.train(0, state)
+    _, ur = restored.train(0, state)
+    assert np.array_equal(ul.prototypes.vectors, ur.prototypes.vectors)
+
+
+def test_a_worker_folder_is_removed_with_its_store_and_orphans_of_dead_workers_are_swept(tmp_path):
+    store = ParkedStates.on_disk(str(tmp_path))
+    folder = store.folder
+    store.put(5, {"model": {}, "updates": 1})
+    assert folder.parent == tmp_path / SUBDIR and store.files() == 1
+    del store
+    gc.collect()
+    assert not folder.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / SUBDIR / f"{int(dead.stdout)}-abc"
+    orphan.mkdir()
+    (orphan / "0-1-1.pt").write_bytes(b"x")
+    mine = tmp_path / SUBDIR / f"{os.getppid()}-def"  # a live process: left alone
+    mine.mkdir()
+    assert remove_orphaned(tmp_path / SUBDIR) == [orphan] and mine.exists()
+
+
+def test_an_unwritable_park_dir_is_refused_naming_the_key(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(PermissionError, match="resources.park_dir"):
+        ParkedStates.on_disk(str(blocker))
+
+
+def test_park_to_auto_is_disk_above_a_thousand_clients_and_bad_values_name_the_key():
+    res = build_config({}, []).resources
+    assert (res.parks_on_disk(1000), res.parks_on_disk(1001)) == (False, True)
+    assert build_config({}, ["resources.park_to=memory"]).resources.parks_on_disk(10_000) is False
+    with pytest.raises(Exception, match="park_to"):
+        build_config({}, ["resources.park_to=cloud"])
+
+
+class _Actor:
+    def __init__(self):
+        self.calls = []
+        self.restore = self  # actor.restore.remote(states, rng)
+
+    def remote(self, states, rng=None):
+        self.calls.append((sorted(states), rng))
+        return sorted(states)
+
+
+def test_a_resume_sends_client_states_in_chunks_with_the_rng_once(monkeypatch):
+    monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: ref)
+    ckpt = type("C", (), {"manifest": {"clients": list(range(0, 140, 2))},
+                          "client_state": lambda self, c: {"c": c}})()
+    actor = _Actor()
+    assert fleet_mod._restore_clients(actor, ckpt, list(range(100)), rng="R", chunk=20) == 50
+    assert [len(c) for c, _ in actor.calls] == [20, 20, 10] and [r for _, r in actor.calls] == ["R", None, None]
+    assert sum((c for c, _ in actor.calls), []) == list(range(0, 100, 2))
+    empty = _Actor()
+    assert fleet_mod._restore_clients(empty, ckpt, [1, 3], rng="R") == 0 and empty.calls == [([], "R")]
+
+
+def test_parked_states_are_files_not_memory_for_many_clients(fed, tmp_path):
+    """Memory follows the clients in flight: 40 parked updates leave 40 files and no tensors."""
+    cfg, ds, part = fed
+    disk = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path))
+    for _ in range(10):
+        for c in range(4):
+            disk.train(c, GlobalState(version=0))
+    assert disk.parked.files() == 4 and len(disk.parked) == 4 and disk.parked._written == 40
+    assert sum(p.stat().st_size for p in Path(disk.parked.folder).glob("*.pt")) > 0
