@@ -558,8 +558,8 @@ def _finish(run: _Run, final_version: int) -> RunResult:
         scheduler.recovery.checkpoint()  # before the counters: a failure here is counted too
     tracker.log_metrics(_end_counters(run.history, final_version,
                                       {names.FEDERATION_UPDATES_WITHHELD_AFTER_END: scheduler.stats.withheld,
-                                       # at each evaluation it is the count as of that version (round_metrics)
-                                       names.FEDERATION_UPDATES_DROPPED_OFFLINE: scheduler.stats.updates_dropped_offline,
+                                       # at each evaluation they are the counts as of that version (round_metrics)
+                                       **_drop_counters(scheduler.stats),
                                        **_reliability_metrics(scheduler)})
                         | ({names.FEDERATION_STARTUP_S: startup} if startup is not None else {}), step=final_version)
     if run.bar is not None:
@@ -581,6 +581,7 @@ def _finish(run: _Run, final_version: int) -> RunResult:
         **({"updates dropped offline": f"{scheduler.stats.updates_dropped_offline} of {scheduler.stats.dispatched} "
                                        "dispatched (client offline before the update finished)"}
            if scheduler.policy.clock is not None else {}),
+        **_round_drops_row(scheduler.policy, scheduler.stats),
         "MLflow run": f"{run.run_id} @ {tracker.uri}" if run.run_id else "tracking disabled",
     })
     (run.out / "summary.txt").write_text(summary + "\n")
@@ -605,8 +606,11 @@ def _write_participation(run: _Run) -> None:
     system = run.scheduler.policy.clock.system if run.scheduler.policy.clock is not None else None
     if system is not None:
         frame["speed"], frame["compute_s"] = system.speeds, system.compute_s
-        dropped = run.scheduler.stats.client_dropped_offline
-        frame["dropped_offline"] = [dropped.get(c, 0) for c in range(n)]  # of its updates, lost offline
+        stats = run.scheduler.stats  # of its dispatched updates (``updates``), those never submitted:
+        for column, dropped in (("dropped_offline", stats.client_dropped_offline),  # lost offline
+                                ("dropped_deadline", stats.client_dropped_deadline),  # sync: after the deadline
+                                ("dropped_over_selection", stats.client_dropped_over_selection)):  # after the first K
+            frame[column] = [dropped.get(c, 0) for c in range(n)]
     frame.to_csv(run.out / "client_updates.csv", index=False)
     run.tracker.log_artifact(run.out / "client_updates.csv")
     run.tracker.log_artifact(plots.plot_client_updates(frame, run.out / "client_updates.png"), "plots")
@@ -689,7 +693,7 @@ def _record_failure(tracker, scheduler, history: list[dict[str, Any]], out: Path
     except Exception as e:  # the server is gone: the scheduler's own counters still go out
         log.warning("server counters unavailable at failure: %s", e)
     counters[names.FEDERATION_UPDATES_DISPATCHED] = scheduler.stats.dispatched
-    counters[names.FEDERATION_UPDATES_DROPPED_OFFLINE] = getattr(scheduler.stats, "updates_dropped_offline", 0)
+    counters.update(_drop_counters(scheduler.stats))
     tracker.log_metrics(counters, step=scheduler.version)
     tracker.set_tags({"failure_reason": reason[:5000]})
     if history:
@@ -719,6 +723,29 @@ def _end_counters(history: list[dict[str, Any]], final_version: int, counters: d
     with the same value (each step gets one point per metric unless a counter moved since)."""
     last = next((h for h in reversed(history) if h.get("version") == final_version), {})
     return {k: v for k, v in counters.items() if k not in last or last[k] != v}
+
+
+def _drop_counters(stats) -> dict[str, int]:
+    """The scheduler's counts of updates dispatched but never submitted (offline, deadline, over-selection)."""
+    return {names.FEDERATION_UPDATES_DROPPED_OFFLINE: getattr(stats, "updates_dropped_offline", 0),
+            names.FEDERATION_UPDATES_DROPPED_DEADLINE: getattr(stats, "updates_dropped_deadline", 0),
+            names.FEDERATION_UPDATES_DROPPED_OVER_SELECTION: getattr(stats, "updates_dropped_over_selection", 0)}
+
+
+def _round_drops_row(policy, stats) -> dict[str, str]:
+    """The summary's row for sync rounds with a deadline or over-selection (none otherwise): the
+    updates the rounds dropped, of those dispatched, by reason (each counted once, offline first:
+    those are in the "updates dropped offline" row)."""
+    if not getattr(policy, "selective", False):
+        return {}
+    reasons = []
+    if np.isfinite(policy.deadline_s):
+        reasons.append(f"{stats.updates_dropped_deadline} after the deadline ({policy.deadline_s:g} s from the round start)")
+    if policy.selected > policy.per_round:
+        reasons.append(f"{stats.updates_dropped_over_selection} beyond the first {policy.per_round} to finish "
+                       f"({policy.selected} selected per round)")
+    total = stats.updates_dropped_deadline + stats.updates_dropped_over_selection
+    return {"updates dropped by the round": f"{total} of {stats.dispatched} dispatched: " + ", ".join(reasons)}
 
 
 def _checkpoint_summary(stats, store) -> str:

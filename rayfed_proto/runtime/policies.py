@@ -271,22 +271,25 @@ class SyncRounds(_Policy):
         """Deadline / over-selection: decide the round's updates in simulated finish order, each once
         every update still running is known to finish after it. The first ``per_round`` that finish
         by round start + ``deadline_s`` are submitted; the round closes at the last of them, or at
-        the deadline when one was too late. The others are dropped and counted (never submitted:
-        the server never sees them; their clients keep the local training, as after a refused update)."""
+        the deadline when one was too late. The others are dropped and counted once each (never
+        submitted: the server never sees them; their clients keep the local training, as after a
+        refused update), by the first reason that holds: lost offline (it never finished; ``finish``
+        is when its client left), then the deadline (it finished too late), then over-selection (it
+        finished in time, but after the round's first K)."""
         deadline_at = self.round_start + self.deadline_s
         while (e := self.clock.first()) is not None and e.exact:
             self.clock.drop(e)
             p = e.update
-            if self.kept >= self.per_round:  # the round closed at the K-th finish, before this one
-                self.port.dropped_by_round(e.client, e.meta, "over_selection")
-            elif e.finish > deadline_at:
-                self.round_end = max(self.round_end, deadline_at)
-                self.port.dropped_by_round(e.client, e.meta, "deadline")
-            elif e.dropped:  # its client went offline before it finished
-                self.round_end = max(self.round_end, e.finish)
+            closed = self.kept >= self.per_round  # the round closed at the K-th finish, before this one
+            if not closed:  # when the round closes: at this release, or at the deadline if that is earlier
+                self.round_end = max(self.round_end, min(e.finish, deadline_at))
+            if e.dropped:  # its client went offline before it finished
                 self.port.dropped_offline(e.client, e.meta)
+            elif e.finish > deadline_at:
+                self.port.dropped_by_round(e.client, e.meta, "deadline")
+            elif closed:
+                self.port.dropped_by_round(e.client, e.meta, "over_selection")
             else:
-                self.round_end = max(self.round_end, e.finish)
                 self.kept += 1
                 self.port.account(p.client, e.meta)
                 self.port.submit(p, e.meta)

@@ -66,6 +66,8 @@ class SchedulerStats:
     client_dropped_offline: dict[int, int] = field(default_factory=dict)  # client -> its updates dropped offline
     updates_dropped_deadline: int = 0  # sync, virtual clock: would finish after federation.round_deadline_s
     updates_dropped_over_selection: int = 0  # sync, virtual clock: finished after the round's first K (over_selection)
+    client_dropped_deadline: dict[int, int] = field(default_factory=dict)  # client -> its updates dropped by a deadline
+    client_dropped_over_selection: dict[int, int] = field(default_factory=dict)  # client -> dropped by over-selection
 
 
 @dataclass
@@ -192,10 +194,13 @@ class Scheduler:
         training, as after a refused update."""
         if reason == "deadline":
             self.stats.updates_dropped_deadline += 1
+            per_client = self.stats.client_dropped_deadline
         elif reason == "over_selection":
             self.stats.updates_dropped_over_selection += 1
+            per_client = self.stats.client_dropped_over_selection
         else:
             raise ValueError(f"reason must be deadline or over_selection, got {reason!r}")
+        per_client[client] = per_client.get(client, 0) + 1
         self.stats.busy_s += meta["busy_s"]
         self.stats.bytes_down += meta["download_bytes"]
 
@@ -349,7 +354,9 @@ class Scheduler:
             server_stats = ray.get(server_stats)
         stats = dataclasses.replace(self.stats, last_terms=dict(self.stats.last_terms),
                                     client_updates=dict(self.stats.client_updates),
-                                    client_dropped_offline=dict(self.stats.client_dropped_offline))
+                                    client_dropped_offline=dict(self.stats.client_dropped_offline),
+                                    client_dropped_deadline=dict(self.stats.client_dropped_deadline),
+                                    client_dropped_over_selection=dict(self.stats.client_dropped_over_selection))
         return stats, self.wall(), self.policy.sim_now(), server_stats
 
     def _launch_eval(self, version: int, state_ref, as_of: dict[int, int]) -> int:
@@ -387,7 +394,9 @@ class Scheduler:
         self.policy.rng.bit_generator.state = state["rng"]
         self.stats = SchedulerStats(**state["stats"])
         self.stats.last_terms = {int(c): t for c, t in self.stats.last_terms.items()}
-        self.stats.client_dropped_offline = {int(c): n for c, n in self.stats.client_dropped_offline.items()}
+        for key in ("client_dropped_offline", "client_dropped_deadline", "client_dropped_over_selection"):
+            # per-client drop counts with int keys; absent from older checkpoints: empty (the dataclass default)
+            setattr(self.stats, key, {int(c): n for c, n in getattr(self.stats, key).items()})
         self.evals.stats = self.stats
         self.started = time.perf_counter() - float(state["wall_s"])
         self.recovery.failures = {int(c): n for c, n in state["failures"].items()}
