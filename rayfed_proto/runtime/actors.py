@@ -130,6 +130,11 @@ class ClientActor:
     def client_states(self, client_ids: list[int]) -> dict[int, dict[str, Any]]:
         return self.host.client_states(client_ids)
 
+    def close(self) -> None:
+        """The run ends: remove the parked states' folder (the process is killed next)."""
+        if self.host is not None:
+            self.host.parked.close()
+
     def restore(self, states: dict[int, dict[str, Any]], rng: torch.Tensor | None = None) -> list[int]:
         """Load checkpointed client states (clients without one keep their fresh initialisation)."""
         self.host.load_state_dicts(states)

@@ -226,6 +226,10 @@ class ActorFleet:
                 ray.get(self.handles["server"].stop.remote(), timeout=5)  # the server's training thread
             except Exception:  # already dead: killing it below is enough
                 pass
+        try:  # parked states on disk: each worker removes its folder (a dead one's goes with the next run)
+            ray.get([a.close.remote() for a in self.handles["actors"]], timeout=10)
+        except Exception:
+            pass
         for h in handles:
             try:
                 ray.kill(h)

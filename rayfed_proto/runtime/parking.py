@@ -14,8 +14,9 @@ current parked state can be the same handle, and nothing is copied to keep it. `
 parked.
 
 Each worker writes under its own folder, ``<park_dir>/rayfed_proto-parked/<pid>-<random>``,
-removed when the worker's host is garbage-collected or its process exits; a folder left by a
-worker that was killed (its pid is gone) is removed by the next worker that starts on the node.
+removed when the run ends (the fleet calls ``ClientActor.close`` before killing its workers), when
+the store is garbage-collected or when the process exits; a folder left by a worker that died
+(its pid is gone) is removed by the next worker that starts on the node.
 No Ray here.
 """
 
@@ -74,6 +75,7 @@ class ParkedStates:
         self.folder = folder
         self._states: dict[int, State] = {}
         self._written = 0  # files written (unique names; also a count for tests)
+        self._cleanup: Optional[weakref.finalize] = None  # removes the folder (on_disk)
 
     @classmethod
     def on_disk(cls, park_dir: Optional[str] = None) -> ParkedStates:
@@ -88,8 +90,15 @@ class ParkedStates:
         remove_orphaned(root)
         folder = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
         store = cls(folder)
-        weakref.finalize(store, shutil.rmtree, str(folder), True)  # also at interpreter exit
+        store._cleanup = weakref.finalize(store, shutil.rmtree, str(folder), True)  # also at interpreter exit
         return store
+
+    def close(self) -> None:
+        """Forget every state and remove the folder (a worker ends: Ray kills its process, so no
+        exit handler would run)."""
+        self._states.clear()
+        if self._cleanup is not None:
+            self._cleanup()
 
     def __contains__(self, c: int) -> bool:
         return c in self._states

@@ -50,13 +50,13 @@ def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(r
     assert runs["auto"].client_updates == counts == runs["2"].client_updates
 
 
-def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_session, tracking):
+def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_session, tracking, tmp_path):
     uri, track = tracking
     common = VIRTUAL + track + ["resources.clients_per_actor=auto"]
     straight = run_experiment(build_config({}, common), **QUIET)  # no checkpoint at all; every client live
     # the interrupted run parks idle clients on disk (issue 28: 10,000 clients), so this also checks
     # that parked states, and the earlier states kept for evaluations, go through a checkpoint exactly
-    disk = ["resources.park_idle_clients=true", "resources.park_to=disk"]
+    disk = ["resources.park_idle_clients=true", "resources.park_to=disk", f"resources.park_dir={tmp_path}"]
     with pytest.raises(RunInterrupted) as stopped:
         run_experiment(build_config({}, common + disk + ["checkpoint.every=2", "faults.stop_at_version=3"]), **QUIET)
     out = stopped.value.output_dir
@@ -67,6 +67,7 @@ def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_s
     assert any("kept" in (ckpt.client_state(c) or {}) for c in range(8)), "states kept for evaluations are saved"
     resumed = run_experiment(build_config({}, common + disk + ["checkpoint.every=2"]), resume_dir=out, **QUIET)
     assert resumed.final_version == 6
+    assert list((tmp_path / "rayfed_proto-parked").iterdir()) == [], "each worker removes its parked states at the end"
     assert _comparable(resumed.history) == _comparable(straight.history)
     steps = [m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, names.FEDERATION_SIM_TIME_S)]
     assert sorted(set(steps)) == list(range(7))
@@ -159,11 +160,14 @@ def test_clients_that_go_offline_mid_update_lose_it_and_the_run_still_finishes(r
 
 def test_sync_rounds_with_a_deadline_and_over_selection_drop_and_count_updates_and_finish(ray_session, tracking):
     """FedScale's rounds in simulated time: 6 of 8 clients selected (ceil(1.5 x 4)), the first 4 to
-    finish kept, and none later than the deadline (the median client's simulated compute time)."""
+    finish kept, and none later than the deadline (the median client's simulated compute time);
+    the drops per client in client_updates.csv, in the summary and in the final counters."""
+    import pandas as pd
+
     from rayfed_proto.data import load_dataset
     from rayfed_proto.runtime.driver import _partition, _system_model
 
-    _, track = tracking
+    uri, track = tracking
     common = VIRTUAL + track + ["federation.mode=sync", "federation.participation=0.5", "federation.rounds=3",
                                 "federation.over_selection=1.5"]
     probe = build_config({}, common)
@@ -180,3 +184,16 @@ def test_sync_rounds_with_a_deadline_and_over_selection_drop_and_count_updates_a
     assert last[names.FEDERATION_UPDATES_DROPPED_DEADLINE] > 0
     times = [h[names.FEDERATION_SIM_TIME_S] for h in result.history]
     assert all(b - a <= deadline + 1e-9 for a, b in zip(times, times[1:], strict=False))  # no round outlasts its deadline
+    per_client = pd.read_csv(result.output_dir / "client_updates.csv")
+    assert per_client["updates"].sum() == 3 * 6  # dispatched, dropped ones included
+    assert per_client["dropped_deadline"].sum() == last[names.FEDERATION_UPDATES_DROPPED_DEADLINE]
+    assert per_client["dropped_over_selection"].sum() == last[names.FEDERATION_UPDATES_DROPPED_OVER_SELECTION]
+    assert per_client["dropped_offline"].sum() == 0  # no availability windows
+    dropped_by_client = per_client[["dropped_deadline", "dropped_over_selection"]].sum(axis=1)
+    assert (dropped_by_client <= per_client["updates"]).all()
+    row = next(line for line in result.summary.splitlines() if "updates dropped by the round" in line)
+    assert f"| {int(dropped)} of {3 * 6} dispatched: " in row and "after the deadline" in row and "first 4" in row
+    logged = MlflowClient(uri).get_run(result.run_id).data.metrics  # the final step's values
+    for name in (names.FEDERATION_UPDATES_DROPPED_DEADLINE, names.FEDERATION_UPDATES_DROPPED_OVER_SELECTION,
+                 names.FEDERATION_UPDATES_DROPPED_OFFLINE):
+        assert logged[name] == last[name]

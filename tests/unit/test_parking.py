@@ -95,6 +95,10 @@ def test_a_worker_folder_is_removed_with_its_store_and_orphans_of_dead_workers_a
     del store
     gc.collect()
     assert not folder.exists()
+    closed = ParkedStates.on_disk(str(tmp_path))  # a run's end: the fleet asks each worker to close
+    closed.put(1, {"model": {}, "updates": 1})
+    closed.close()
+    assert not closed.folder.exists() and len(closed) == 0
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     orphan = tmp_path / SUBDIR / f"{int(dead.stdout)}-abc"
     orphan.mkdir()
