@@ -26,6 +26,8 @@ checkout of HtFLlib) is printed and recorded beside it, where one was measured f
 Startup: the platform's is from its process start to the first local update returned (metric
 `startup_s`: Ray start, actors, data into the object store, model builds); the plain loop's is
 from the call to its first client update (imports excluded, which favours the plain loop).
+Without MLflow installed (a bare GPU machine given only bench/gpu_check.sh's wheels) the platform
+runs with ``tracking.enabled=false`` and its startup and actor count are read from its output.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ from _htfllib import FLAVOURS, default_flavour, run_htfllib  # noqa: E402
 from _plain import run_plain, write_results  # noqa: E402
 
 
+def _have_mlflow() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mlflow") is not None
+
+
 def workload(args, method: str, tmp: Path) -> list[str]:
     sets = [
         "data.name=synthetic", f"data.num_samples={args.samples}", "data.image_size=28", "data.channels=1",
@@ -57,6 +65,8 @@ def workload(args, method: str, tmp: Path) -> list[str]:
         sets += ["algorithm.lam=10", "algorithm.aggregation=uniform"]
     if args.device == "cuda":
         sets += ["resources.num_gpus=1"]
+    if not _have_mlflow():  # a bare GPU machine given only bench/gpu_check.sh's wheels: no tracking
+        sets += ["tracking.enabled=false"]
     sets += args.set
     return sets
 
@@ -73,14 +83,24 @@ def run_platform(args, method: str, tmp: Path) -> dict:
     hist = pd.read_parquet(out / "history.parquet").sort_values("version")
     wall = hist["federation/wall_s"].tolist()
     rounds = [b - a for a, b in zip(wall, wall[1:], strict=False)]  # version v exists at wall_s[v]
-    from mlflow.tracking import MlflowClient
+    if _have_mlflow():
+        from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
-    run = client.search_runs([client.get_experiment_by_name(f"round_time_{method}").experiment_id])[0]
-    return {"round_s": rounds, "startup_s": run.data.metrics.get("federation/startup_s", float("nan")),
+        client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
+        run = client.search_runs([client.get_experiment_by_name(f"round_time_{method}").experiment_id])[0]
+        startup = run.data.metrics.get("federation/startup_s", float("nan"))
+        actors = int(float(run.data.params.get("plan.num_actors", "nan")))
+    else:  # tracking disabled: the same figures from the run's summary.txt and the run's own output
+        import re
+
+        found = re.search(r"startup \(run start to first update\)\s*\|\s*([0-9.]+) s", (out / "summary.txt").read_text())
+        startup = float(found.group(1)) if found else float("nan")
+        found = re.search(r"starting (\d+) client actors", proc.stdout + proc.stderr)
+        actors = int(found.group(1)) if found else -1
+    return {"round_s": rounds, "startup_s": startup,
             "process_s": time.time() - t0, "head_acc": float(hist["eval/head_acc"].iloc[-1]),
             "proto_acc": float(hist["eval/proto_acc"].iloc[-1]) if "eval/proto_acc" in hist else float("nan"),
-            "num_actors": int(float(run.data.params.get("plan.num_actors", "nan"))),
+            "num_actors": actors,
             "utilisation": float(hist["federation/slot_utilisation"].iloc[-1])}
 
 
