@@ -340,7 +340,7 @@ class AsyncSlots(_Policy):
             idle = self.port.eligible(one_per_actor=True)
             if not idle:
                 break
-            self.port.dispatch(int(self.rng.choice(idle)))
+            self.port.dispatch(pick_one(self.rng, idle))
 
     def on_update(self, p: Pending, meta: dict[str, Any]) -> None:
         self.port.account(p.client, meta)
@@ -369,6 +369,13 @@ class AsyncSlots(_Policy):
         self.backlog_version = version
 
 
+def pick_one(rng: np.random.Generator, items: list[int]) -> int:
+    """One of ``items`` uniformly: the same draw, and the same stream afterwards, as
+    ``int(rng.choice(items))`` (``tests/unit/test_policies.py`` checks it), without converting the
+    list to an array first (200 us for 10,000 clients, at every dispatch)."""
+    return int(items[int(rng.integers(0, len(items)))])
+
+
 class VirtualAsync(_Policy):
     """Asynchronous FL in simulated time: ``concurrency`` clients train at once in the simulated
     federation (any number of real slots run them); each finished update goes to the server in
@@ -391,7 +398,7 @@ class VirtualAsync(_Policy):
                     return  # someone is training: try again when the next update lands
                 self.clock.wait_for_online(pool)
                 continue
-            c = int(self.rng.choice(online))
+            c = pick_one(self.rng, online)
             p = self.port.dispatch(c)
             p.entry = self.clock.start(c, p, self.port.version)
 

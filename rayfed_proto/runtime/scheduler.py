@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
@@ -160,10 +161,16 @@ class Scheduler:
         self.inflight[self.server.step.remote()] = Pending(self._on_receipt, "step")
 
     def eligible(self, one_per_actor: bool = False) -> list[int]:
+        """Clients not excluded and with nothing in flight (``one_per_actor``: on a worker with
+        nothing in flight), in client order: a seeded choice must not depend on the layout."""
         busy = {p.client for p in self.inflight.values() if p.kind == "train"}
-        busy_actors = {self.actor_of[c] for c in busy} if one_per_actor else set()
-        return [c for c in range(len(self.actor_of))  # client order: a seeded choice must not depend on the layout
-                if c not in busy and c not in self.stats.excluded and self.actor_of[c] not in busy_actors]
+        if one_per_actor:
+            busy_actors = {self.actor_of[c] for c in busy}
+            return [c for c in range(len(self.actor_of))
+                    if c not in busy and c not in self.stats.excluded and self.actor_of[c] not in busy_actors]
+        mask = np.ones(len(self.actor_of), dtype=bool)  # one pass in numpy: 10,000 clients at every dispatch
+        mask[list(busy.union(self.stats.excluded))] = False
+        return np.flatnonzero(mask).tolist()
 
     def training(self) -> int:
         return sum(1 for p in self.inflight.values() if p.kind == "train")

@@ -272,3 +272,29 @@ def test_a_worker_keeps_nothing_no_evaluation_can_ask_for(host_data):
     host.train(1, state, keep_from=1)  # state 1 may be asked for
     host.train(1, state, keep_from=2)  # only 2 and later now
     assert sorted(host.kept[1]) == [2]
+
+
+def test_pick_one_draws_exactly_what_rng_choice_draws_and_leaves_the_stream_where_it_would():
+    from rayfed_proto.runtime.policies import pick_one
+
+    for seed in range(50):
+        for n in (1, 2, 7, 10_000):
+            items = list(range(5, 5 + n))
+            a, b = np.random.default_rng(seed), np.random.default_rng(seed)
+            assert [int(a.choice(items)) for _ in range(3)] == [pick_one(b, items) for _ in range(3)]
+            assert a.random() == b.random()
+
+
+def test_eligible_clients_are_the_idle_not_excluded_ones_in_client_order():
+    from types import SimpleNamespace
+
+    from rayfed_proto.runtime.scheduler import Scheduler
+
+    actor_of = {c: c % 3 for c in range(50)}
+    inflight = {i: SimpleNamespace(kind=k, client=c) for i, (k, c) in enumerate([("train", 4), ("eval", 5), ("train", 30)])}
+    s = SimpleNamespace(inflight=inflight, actor_of=actor_of, stats=SimpleNamespace(excluded=[7, 4]))
+    want = [c for c in range(50) if c not in (4, 7, 30)]  # an evaluation in flight does not make a client busy
+    assert Scheduler.eligible(s) == want and all(type(c) is int for c in Scheduler.eligible(s))
+    assert Scheduler.eligible(s, one_per_actor=True) == [c for c in want if actor_of[c] == 2]  # workers 1, 0 busy
+    s.stats.excluded, s.inflight = [], {}
+    assert Scheduler.eligible(s) == list(range(50))
