@@ -73,6 +73,35 @@ def tree_memory(root: psutil.Process, by_process: dict | None = None) -> tuple[f
     return pss, rss, n
 
 
+def run_sampled(cmd: list[str], every_s: float = 0.5) -> tuple[int, str, dict, list[dict], float]:
+    """Run ``cmd`` and sample its process tree's memory every ``every_s`` seconds: (return code,
+    output, the peak sample, every sample (seconds, total PSS and PSS per process label, MiB),
+    seconds)."""
+    t0 = time.time()
+    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak = {"pss": 0.0, "rss": 0.0, "procs": 0, "by_process": {}}
+    timeline: list[dict] = []
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            parts: dict[str, float] = {}
+            pss, rss, n = tree_memory(proc, parts)
+            timeline.append({"t": round(time.time() - t0, 2), "pss": round(pss), "by": {k: round(v) for k, v in parts.items()}})
+            if pss > peak["pss"]:
+                peak.update(pss=pss, rss=max(peak["rss"], rss), procs=n, by_process=parts, at_s=time.time() - t0)
+            peak["rss"] = max(peak["rss"], rss)
+            time.sleep(every_s)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output = proc.stdout.read()
+    proc.wait()
+    done.set()
+    sampler.join()
+    return proc.returncode, output, peak, timeline, time.time() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("which", choices=["demo", "scale"])
@@ -85,31 +114,9 @@ def main() -> None:
             f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", f"tracking.output_dir={tmp / 'runs'}",
             f"tracking.experiment_name=footprint_{args.which}"] + args.set
         cmd = [str(Path(sys.executable).parent / "rayfed-proto"), "run"] + [f"--set={s}" for s in sets]
-        t0 = time.time()
-        proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        peak = {"pss": 0.0, "rss": 0.0, "procs": 0, "by_process": {}}
-        timeline: list[dict] = []  # every sample: seconds, total PSS and PSS per process label (MiB)
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                parts: dict[str, float] = {}
-                pss, rss, n = tree_memory(proc, parts)
-                timeline.append({"t": round(time.time() - t0, 2), "pss": round(pss), "by": {k: round(v) for k, v in parts.items()}})
-                if pss > peak["pss"]:
-                    peak.update(pss=pss, rss=max(peak["rss"], rss), procs=n, by_process=parts, at_s=time.time() - t0)
-                peak["rss"] = max(peak["rss"], rss)
-                time.sleep(0.5)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
-        output = proc.stdout.read()
-        proc.wait()
-        done.set()
-        sampler.join()
-        total_s = time.time() - t0
-        if proc.returncode != 0:
-            sys.exit(f"run failed ({proc.returncode}):\n{output[-4000:]}")
+        returncode, output, peak, timeline, total_s = run_sampled(cmd)
+        if returncode != 0:
+            sys.exit(f"run failed ({returncode}):\n{output[-4000:]}")
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
