@@ -220,8 +220,20 @@ class ResourcesConfig(_Section):
     def _per_actor(cls, v):
         return _auto_or_positive(v)
 
+    @field_validator("park_to")
+    @classmethod
+    def _park_to(cls, v, info):
+        if v == "disk" and info.data.get("park_idle_clients") is False:
+            raise ValueError("'disk' parks idle clients' states on disk, but resources.park_idle_clients=false keeps "
+                             "every client live; set park_idle_clients to auto or true, or park_to to auto or memory")
+        return v
+
     def parks_clients(self, num_clients: int) -> bool:
-        return num_clients > 100 if self.park_idle_clients == "auto" else bool(self.park_idle_clients)
+        """Idle clients are parked: ``park_idle_clients``, whose ``auto`` is above 100 clients or
+        whenever ``park_to: disk`` asks for states on disk."""
+        if self.park_idle_clients == "auto":
+            return num_clients > 100 or self.park_to == "disk"
+        return bool(self.park_idle_clients)
 
     def parks_on_disk(self, num_clients: int) -> bool:
         return num_clients > 1000 if self.park_to == "auto" else self.park_to == "disk"

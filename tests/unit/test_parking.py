@@ -121,6 +121,10 @@ def test_park_to_auto_is_disk_above_a_thousand_clients_and_bad_values_name_the_k
     assert build_config({}, ["resources.park_to=memory"]).resources.parks_on_disk(10_000) is False
     with pytest.raises(Exception, match="park_to"):
         build_config({}, ["resources.park_to=cloud"])
+    with pytest.raises(Exception, match="park_idle_clients=false keeps every client live"):
+        build_config({}, ["resources.park_idle_clients=false", "resources.park_to=disk"])
+    disk = build_config({}, ["resources.park_to=disk"]).resources  # auto parking follows the ask for disk
+    assert disk.parks_clients(20) and disk.parks_on_disk(20)
 
 
 class _Actor:
