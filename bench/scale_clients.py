@@ -90,14 +90,14 @@ ROW_KINDS = {  # label -> (clients from --clients: "small" or "large", park_to, 
 }
 
 
-def run_config(npz: Path, clients: int, updates: int, park_to: str, tmp: Path) -> list[str]:
+def run_config(npz: Path, clients: int, updates: int, park_to: str, tmp: Path, park_dir: Path | None = None) -> list[str]:
     per = 20  # a version every 20 updates, 20 clients training at once
     return ["algorithm.name=fedproto", "data.name=npz", f"data.path={npz}", "data.image_size=28",
             "data.partition.name=natural", "model.group=HtFE1", f"federation.num_clients={clients}",
             "federation.mode=async", "federation.concurrency=20", f"federation.buffer_size={per}",
             f"federation.rounds={updates // per}", f"federation.eval_every={updates // per}",
             "system.speed.kind=lognormal", "system.speed.sigma=1.0", "resources.park_idle_clients=true",
-            f"resources.park_to={park_to}", f"resources.park_dir={tmp / 'parked'}", "checkpoint.every=0",
+            f"resources.park_to={park_to}", f"resources.park_dir={park_dir or tmp / 'parked'}", "checkpoint.every=0",
             f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", f"tracking.output_dir={tmp / 'runs'}",
             "tracking.experiment_name=scale_clients", "tracking.log_models=none"]
 
@@ -147,8 +147,9 @@ def update_phase(formed: dict[int, float], per: int = 20) -> tuple[float, int]:
     return formed[last] - formed[1], (last - 1) * per
 
 
-def measure(label: str, npz: Path, clients: int, updates: int, park_to: str, resume_check: bool, tmp: Path) -> dict:
-    sets = run_config(npz, clients, updates, park_to, tmp)
+def measure(label: str, npz: Path, clients: int, updates: int, park_to: str, resume_check: bool, tmp: Path,
+            park_dir: Path | None = None) -> dict:
+    sets = run_config(npz, clients, updates, park_to, tmp, park_dir)
     if resume_check:  # stopped at the middle version after a checkpoint, then resumed to the end
         half = updates // 20 // 2
         first = one_run(sets + [f"checkpoint.every={half}", f"faults.stop_at_version={half}"])
@@ -196,6 +197,8 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", default=list(ROW_KINDS), choices=list(ROW_KINDS))
     ap.add_argument("--data-only", type=Path, default=None, help="only write the large .npz here")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json, OUT.md and OUT.png")
+    ap.add_argument("--park-dir", type=Path, default=None,
+                    help="resources.park_dir for the disk rows (default: a folder in the run's temp folder)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -212,7 +215,8 @@ def main() -> None:
             size, park_to, resume_check = ROW_KINDS[label]
             print(f"[{label}] {args.clients[size == 'large']:,} clients, parked in {park_to}"
                   + (", stopped at the middle and resumed" if resume_check else ""), flush=True)
-            row = measure(label, data[size]["path"], data[size]["clients"], args.updates, park_to, resume_check, tmp)
+            row = measure(label, data[size]["path"], data[size]["clients"], args.updates, park_to, resume_check, tmp,
+                          args.park_dir)
             print(json.dumps({k: v for k, v in row.items() if k != "timeline"}), flush=True)
             rows.append(row)
     by = {r["row"]: r for r in rows}
