@@ -45,7 +45,13 @@ class OnDisk:
     def __init__(self, path: Path, state: dict[str, Any]):
         self.path = path
         self.updates = int(state.get("updates", 0))
-        torch.save(state, path)  # not fsynced: a parked state need not survive the machine, only the process
+        try:
+            torch.save(state, path)  # not fsynced: a parked state need not survive the machine, only the process
+        except (OSError, RuntimeError) as e:  # disk full: torch reports it as either
+            _unlink(str(path))
+            raise OSError(f"cannot park a client state in {path.parent} ({e}); free space there, set "
+                          "resources.park_dir to a local folder with room for every trained client's model, or "
+                          "resources.park_to=memory") from None
         weakref.finalize(self, _unlink, str(path))
 
     def load(self) -> dict[str, Any]:

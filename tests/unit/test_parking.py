@@ -158,3 +158,13 @@ def test_parked_states_are_files_not_memory_for_many_clients(fed, tmp_path):
             disk.train(c, GlobalState(version=0))
     assert disk.parked.files() == 4 and len(disk.parked) == 4 and disk.parked._written == 40
     assert sum(p.stat().st_size for p in Path(disk.parked.folder).glob("*.pt")) > 0
+
+
+def test_a_state_that_cannot_be_written_says_where_and_which_keys_to_change(tmp_path, monkeypatch):
+    def full(obj, f, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match="resources.park_dir") as err:
+        OnDisk(tmp_path / "x.pt", {"updates": 1})
+    assert "No space left" in str(err.value) and not (tmp_path / "x.pt").exists()
