@@ -367,6 +367,15 @@ def _sorted_ids(ids) -> list:
     return sorted(ids, key=lambda k: (not isinstance(k, int), k if isinstance(k, int) else str(k)))
 
 
+def _dict_records(data: dict, expected: str, problems: list[str]):
+    """(client, record) for each record of a trace pickle that is a dict; the others go to ``problems``."""
+    for cid, rec in data.items():
+        if isinstance(rec, dict):
+            yield cid, rec
+        else:
+            problems.append(f"client {cid!r}: expected a dict with {expected}, got {type(rec).__name__}")
+
+
 def load_device_trace(path, key: str = SPEED_KEY) -> dict[Any, tuple[float, float]]:
     """FedScale's device-capacity trace: trace client -> (computation ms per sample, communication
     kbit/s), both finite and > 0. A pickle ``{client: {"computation": x, "communication": y, ...}}``
@@ -375,11 +384,7 @@ def load_device_trace(path, key: str = SPEED_KEY) -> dict[Any, tuple[float, floa
     out: dict[Any, tuple[float, float]] = {}
     problems: list[str] = []
     if data is not None:
-        for cid, rec in data.items():
-            if not isinstance(rec, dict):
-                problems.append(f"client {cid!r}: expected a dict with computation and communication, got "
-                                f"{type(rec).__name__}")
-                continue
+        for cid, rec in _dict_records(data, "computation and communication", problems):
             comp, err = _num(rec.get("computation"), f"client {cid!r}: computation")
             if err is None:
                 comm, err = _num(rec.get("communication"), f"client {cid!r}: communication")
@@ -429,11 +434,7 @@ def load_behaviour_trace(path, key: str = AVAILABILITY_KEY) -> dict[Any, tuple[l
     raw: dict[Any, tuple[list, list, Any, str]] = {}
     problems: list[str] = []
     if data is not None:
-        for cid, rec in data.items():
-            if not isinstance(rec, dict):
-                problems.append(f"client {cid!r}: expected a dict with active, inactive and finish_time, got "
-                                f"{type(rec).__name__}")
-                continue
+        for cid, rec in _dict_records(data, "active, inactive and finish_time", problems):
             act, ina = rec.get("active"), rec.get("inactive")
             if not isinstance(act, (list, tuple)) or not isinstance(ina, (list, tuple)) or len(act) != len(ina):
                 problems.append(f"client {cid!r}: active and inactive must be lists of the same length")
