@@ -649,6 +649,40 @@ def _client_domains(dataset: ArrayDataset, clients: list[ClientSplit]) -> Option
     return out
 
 
+def _split_shares(parts: list, dataset: ArrayDataset, kshot: bool, test_fraction: float,
+                  rng: np.random.Generator) -> list[ClientSplit]:
+    """Each client's share split into train and test: k-shot, all train (test sets come later);
+    with an ``is_train`` column, by it; otherwise stratified by class, ``test_fraction`` per class."""
+    clients = []
+    for client_id, idx in enumerate(parts):
+        idx = np.asarray(idx, dtype=np.int64)
+        if kshot:
+            train, test = np.sort(idx), _empty_index()
+        elif dataset.is_train is not None:
+            mask = dataset.is_train[idx]
+            train, test = np.sort(idx[mask]), np.sort(idx[~mask])
+        else:
+            train, test = _stratified_split(idx, dataset.labels, test_fraction, rng)
+        clients.append(ClientSplit(client_id, train, test))
+    return clients
+
+
+def _assign_kshot_tests(clients: list[ClientSplit], everyone: np.ndarray, dataset: ArrayDataset, test_shots: int,
+                        rng: np.random.Generator) -> None:
+    """k-shot: each client's test set, ``test_shots`` per class of its classes, from the dataset's
+    test split (``is_train``) or else from the samples no client trains on or holds unlabelled."""
+    if dataset.is_train is not None:
+        candidates = everyone[~dataset.is_train[everyone]]
+        source = "samples in the dataset's test split (is_train false)"
+    else:
+        taken = np.concatenate([np.concatenate([c.train_idx, c.unlabelled_idx]) for c in clients])
+        candidates = np.setdiff1d(everyone, taken)
+        source = "samples that no client trains on"
+    tests = _kshot_test_sets([c.train_idx for c in clients], candidates, dataset, test_shots, rng, source)
+    for client, test in zip(clients, tests, strict=True):
+        client.test_idx = test
+
+
 def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int, seed: int,
                    test_fraction: float = 0.25, global_test_fraction: float = 0.0, public_size: int = 0,
                    long_tail_ratio: Optional[float] = None) -> Partition:
@@ -702,17 +736,7 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
         parts = [trainable[np.asarray(p, dtype=np.int64)] for p in partitioner(view.labels, num_clients, rng, cfg, view)]
     if len(parts) != num_clients:
         raise RuntimeError(f"partitioner {cfg.name!r} returned {len(parts)} clients, expected {num_clients}")
-    clients = []
-    for client_id, idx in enumerate(parts):
-        idx = np.asarray(idx, dtype=np.int64)
-        if kshot:  # all k shots train; the test sets are drawn below
-            train, test = np.sort(idx), _empty_index()
-        elif dataset.is_train is not None:
-            mask = dataset.is_train[idx]
-            train, test = np.sort(idx[mask]), np.sort(idx[~mask])
-        else:
-            train, test = _stratified_split(idx, dataset.labels, test_fraction, rng)
-        clients.append(ClientSplit(client_id, train, test))
+    clients = _split_shares(parts, dataset, kshot, test_fraction, rng)
     if cfg.unlabelled_per_client:
         held = np.concatenate([np.concatenate([c.train_idx, c.test_idx]) for c in clients])
         free = np.setdiff1d(trainable if kshot else everyone, held)  # k-shot: never the test side or reserve
@@ -721,16 +745,7 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
         for client, idx in zip(clients, pools, strict=True):
             client.unlabelled_idx = idx
     if kshot:
-        if dataset.is_train is not None:
-            candidates = everyone[~dataset.is_train[everyone]]
-            source = "samples in the dataset's test split (is_train false)"
-        else:
-            taken = np.concatenate([np.concatenate([c.train_idx, c.unlabelled_idx]) for c in clients])
-            candidates = np.setdiff1d(everyone, taken)
-            source = "samples that no client trains on"
-        tests = _kshot_test_sets([c.train_idx for c in clients], candidates, dataset, cfg.test_shots, rng, source)
-        for client, test in zip(clients, tests, strict=True):
-            client.test_idx = test
+        _assign_kshot_tests(clients, everyone, dataset, cfg.test_shots, rng)
     return Partition(clients=clients, num_classes=dataset.num_classes, partitioner=cfg.name, seed=seed,
                      labels=dataset.labels, global_test_idx=global_test, public_idx=public,
                      client_domains=_client_domains(dataset, clients),
