@@ -702,6 +702,44 @@ def unknown_name_issues(key: str, value: Any, registry) -> list[ConfigIssue]:
     return [ConfigIssue(key=key, value=value, allowed="one of " + ", ".join(registry.names()))]
 
 
+def _federation_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """federation.* rules that span fields: concurrency, buffer, deadlines, over-selection, eval_every."""
+    issues: list[ConfigIssue] = []
+    fed = cfg.federation
+    if fed.concurrency != "auto" and fed.concurrency > fed.num_clients:
+        issues.append(ConfigIssue(key="federation.concurrency", value=fed.concurrency,
+                                  allowed=f"at most federation.num_clients ({fed.num_clients})"))
+    if fed.mode == "async":
+        # virtual clock: 'auto' simulates as many clients at once as a sync round samples
+        conc = simulated_concurrency(cfg) if cfg.system is not None else (
+            fed.concurrency if fed.concurrency != "auto" else fed.num_clients)
+        if fed.buffer_size > conc:
+            issues.append(ConfigIssue(key="federation.buffer_size", value=fed.buffer_size,
+                                      allowed=f"at most federation.concurrency ({conc}"
+                                      + (", simulated: ceil(participation x num_clients) for 'auto'" if cfg.system is not None
+                                         and fed.concurrency == "auto" else "")
+                                      + "): with more updates per version than in flight, every version waits for "
+                                      "clients that started after it"))
+    for key, value, is_set in (("round_deadline_s", fed.round_deadline_s, fed.round_deadline_s is not None),
+                               ("over_selection", fed.over_selection, fed.over_selection != 1.0)):
+        if is_set and (fed.mode != "sync" or cfg.system is None):
+            issues.append(ConfigIssue(
+                key=f"federation.{key}", value=value,
+                allowed=f"{'null' if key == 'round_deadline_s' else '1'} unless federation.mode is sync with a virtual "
+                f"clock (a system: section): only simulated rounds have finish times to keep or drop updates by "
+                f"(here mode {fed.mode}, {'no system:' if cfg.system is None else 'system: set'})"))
+    if fed.over_selection != 1.0 and math.ceil(fed.over_selection * clients_per_round(cfg)) > fed.num_clients:
+        issues.append(ConfigIssue(
+            key="federation.over_selection", value=fed.over_selection,
+            allowed=f"at most federation.num_clients / ceil(participation x num_clients) = {fed.num_clients} / "
+            f"{clients_per_round(cfg)} = {fed.num_clients / clients_per_round(cfg):g}: ceil(over_selection x "
+            f"{clients_per_round(cfg)}) clients are selected per round"))
+    if fed.eval_every > fed.rounds:
+        issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
+                                  allowed=f"at most federation.rounds ({fed.rounds})"))
+    return issues
+
+
 def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     """Rules that span fields or need the registries (plus the checks registered per section)."""
     from rayfed_proto.algorithms import ALGORITHMS
@@ -739,38 +777,8 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     if cfg.data.name in ("npz", "folder") and not cfg.data.path:
         issues.append(ConfigIssue(key="data.path", value=None, allowed=f"a path is required when data.name is {cfg.data.name!r}"))
 
+    issues.extend(_federation_issues(cfg))
     fed = cfg.federation
-    if fed.concurrency != "auto" and fed.concurrency > fed.num_clients:
-        issues.append(ConfigIssue(key="federation.concurrency", value=fed.concurrency,
-                                  allowed=f"at most federation.num_clients ({fed.num_clients})"))
-    if fed.mode == "async":
-        # virtual clock: 'auto' simulates as many clients at once as a sync round samples
-        conc = simulated_concurrency(cfg) if cfg.system is not None else (
-            fed.concurrency if fed.concurrency != "auto" else fed.num_clients)
-        if fed.buffer_size > conc:
-            issues.append(ConfigIssue(key="federation.buffer_size", value=fed.buffer_size,
-                                      allowed=f"at most federation.concurrency ({conc}"
-                                      + (", simulated: ceil(participation x num_clients) for 'auto'" if cfg.system is not None
-                                         and fed.concurrency == "auto" else "")
-                                      + "): with more updates per version than in flight, every version waits for "
-                                      "clients that started after it"))
-    for key, value, is_set in (("round_deadline_s", fed.round_deadline_s, fed.round_deadline_s is not None),
-                               ("over_selection", fed.over_selection, fed.over_selection != 1.0)):
-        if is_set and (fed.mode != "sync" or cfg.system is None):
-            issues.append(ConfigIssue(
-                key=f"federation.{key}", value=value,
-                allowed=f"{'null' if key == 'round_deadline_s' else '1'} unless federation.mode is sync with a virtual "
-                f"clock (a system: section): only simulated rounds have finish times to keep or drop updates by "
-                f"(here mode {fed.mode}, {'no system:' if cfg.system is None else 'system: set'})"))
-    if fed.over_selection != 1.0 and math.ceil(fed.over_selection * clients_per_round(cfg)) > fed.num_clients:
-        issues.append(ConfigIssue(
-            key="federation.over_selection", value=fed.over_selection,
-            allowed=f"at most federation.num_clients / ceil(participation x num_clients) = {fed.num_clients} / "
-            f"{clients_per_round(cfg)} = {fed.num_clients / clients_per_round(cfg):g}: ceil(over_selection x "
-            f"{clients_per_round(cfg)}) clients are selected per round"))
-    if fed.eval_every > fed.rounds:
-        issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
-                                  allowed=f"at most federation.rounds ({fed.rounds})"))
     bad_ids = [c for c in cfg.faults.corrupt_clients if not 0 <= c < fed.num_clients]
     if bad_ids:
         issues.append(ConfigIssue(key="faults.corrupt_clients", value=cfg.faults.corrupt_clients,
