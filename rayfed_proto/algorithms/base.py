@@ -412,7 +412,7 @@ class PrototypeOptions(Options):
 
     def alignment_weight(self, version: int) -> float:
         """lambda_t: ``lam`` scaled by the schedule at the version trained against (FedSAP Eq. 7)."""
-        return self.lam * (self.alignment_schedule.factor(version) if self.alignment_schedule else 1.0)
+        return self.lam * (self.alignment_schedule.at_version(version) if self.alignment_schedule else 1.0)
 
 
 class PrototypeServer(ServerAlgorithm):

@@ -134,7 +134,7 @@ class FedProtoKDOptions(Options):
 
     def alignment_weight(self, version: int) -> float:
         """epsilon_t: ``epsilon`` scaled by the schedule at the version trained against."""
-        return self.epsilon * (self.alignment_schedule.factor(version) if self.alignment_schedule else 1.0)
+        return self.epsilon * (self.alignment_schedule.at_version(version) if self.alignment_schedule else 1.0)
 
 
 def require_public_x(spec: FederationSpec) -> torch.Tensor:

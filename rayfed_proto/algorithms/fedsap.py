@@ -2,11 +2,13 @@
 semi-supervised extension (Sec. 3.6).
 
 Client (Eq. 3): CE + lambda_t * L_Proto + L_Proxy, where
-- L_Proto (Eq. 5) is the squared distance of f(x) to the global prototype of its class, over the
-  samples whose class has one;
+- L_Proto (Eq. 5) is the squared distance of f(x) to the global prototype of its class, divided
+  by D (``nn.MSELoss``, FedProto's code; ``alignment_reduction: sum`` is Eq. 5 as printed), over
+  the samples whose class has one;
 - lambda_t (Eq. 7 and appendix) = M * g((t - r_start) / t_w), the shared alignment curriculum
-  (:mod:`rayfed_proto.algorithms.schedules`) evaluated at the server version t the client
-  trained against; defaults M 0.7, linear from version 20 to full at 100;
+  (:mod:`rayfed_proto.algorithms.schedules`) at round t = the server version the client trained
+  against + 1 (rounds counted from 1); defaults M 0.7, linear from round 20 to full at round 100
+  (which trains against version 99);
 - L_Proxy (Eq. 8-9) is a cosine-softmax CE whose proxies are the global prototypes themselves:
   z_c = s * <f(x)/|f(x)|, P^c/|P^c|>, s default 32, over the classes that have a global
   prototype, for the samples whose class has one (0 before any prototype exists).
@@ -121,14 +123,16 @@ class FedSAPOptions(PrototypeOptions):
     lam: float = Field(0.7, ge=0, description="M: maximum alignment weight, reached at the end of the ramp (Eq. 7)")
     aggregation: Literal["weighted", "uniform"] = Field(
         "uniform", description="per-class mean of uploads: uniform over clients (FedSAP Eq. 2) or sample-weighted")
-    # Decision: Eq. 5 prints the squared Euclidean norm ||f(x) - P^y||_2^2; the paper's "MSE" is
-    # the mean of that per-sample error over the batch (its code is unreleased, so nothing says
-    # nn.MSELoss's extra 1/D). The platform implements the paper by default: "sum".
+    # Eq. 5 prints ||f(x) - P^y||_2^2 but the paper calls it "this MSE formulation" and builds on
+    # FedProto, whose code computes the term with nn.MSELoss (HtFLlib clientproto.py, loss_mse),
+    # i.e. divided by D; "sum" (Eq. 5 as printed) weighs the term D times more (512x at D = 512)
     alignment_reduction: Literal["mean", "sum"] = Field(
-        "sum", description="||f - P||^2 summed over dimensions (Eq. 5 as printed, default) or averaged (nn.MSELoss)")
+        "mean", description="||f - P||^2 averaged over dimensions (nn.MSELoss, as FedProto's code, default) or "
+        "summed (Eq. 5 as printed)")
     alignment_schedule: Optional[AlignmentSchedule] = Field(
         AlignmentSchedule(shape="linear", start=20, length=80),  # a copy per instance (pydantic copies defaults)
-        description="alignment curriculum (Eq. 7; default linear from version 20 to full at 100); null: constant M")
+        description="alignment curriculum (Eq. 7; default linear from round 20 to full at round 100, i.e. versions 19 "
+        "to 99 trained against); null: constant M")
     proxy_scale: float = Field(32.0, gt=0, description="s: scale of the cosine proxy logits (Eq. 8-9)")
     use_proxy: bool = Field(True, description="add the proxy separation loss L_Proxy (Eq. 8-9)")
     semi_supervised: Optional[SemiSupervisedOptions] = Field(

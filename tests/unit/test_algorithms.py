@@ -306,16 +306,26 @@ def test_prototype_server_state_round_trips_as_plain_arrays():
     ("sigmoid", 20, 0.0), ("sigmoid", 60, 0.5), ("sigmoid", 100, 1.0),
     ("step", 99, 0.0), ("step", 100, 1.0),
 ])
-def test_alignment_schedule_values_at_chosen_versions(shape, version, expected):
+def test_alignment_schedule_values_at_chosen_rounds(shape, version, expected):
     from rayfed_proto.algorithms.schedules import AlignmentSchedule
 
     assert AlignmentSchedule(shape=shape, start=20, length=80).factor(version) == pytest.approx(expected, abs=1e-9)
 
 
+@pytest.mark.parametrize("version,expected", [(0, 0.0), (19, 0.0), (20, 1 / 80), (59, 0.5), (98, 79 / 80), (99, 1.0)])
+def test_alignment_schedule_counts_rounds_from_one(version, expected):
+    """FedSAP: "from 0 to 0.7 until round 100". Round r (from 1) trains against version r - 1,
+    so the last round of a 100-round run (version 99) has the full weight."""
+    from rayfed_proto.algorithms.schedules import AlignmentSchedule
+
+    assert AlignmentSchedule(start=20, length=80).at_version(version) == pytest.approx(expected, abs=1e-12)
+
+
 def test_fedproto_alignment_weight_follows_the_schedule():
     algo = ALGORITHMS.get("fedproto")
     opts = algo.Options(lam=0.7, alignment_schedule={"start": 20, "length": 80})
-    assert opts.alignment_weight(10) == 0.0 and opts.alignment_weight(60) == pytest.approx(0.35)
+    assert opts.alignment_weight(10) == 0.0 and opts.alignment_weight(59) == pytest.approx(0.35)
+    assert opts.alignment_weight(99) == pytest.approx(0.7)  # round 100
     assert algo.Options(lam=0.7).alignment_weight(0) == pytest.approx(0.7)  # no schedule: constant
     client = algo.Client(opts, SPEC, 0)
     model = FixedModel(num_classes=3)

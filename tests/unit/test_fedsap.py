@@ -93,7 +93,8 @@ X = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
 Y = torch.tensor([0, 1])
 BANK = pset([0, 2], [[2, 0], [0, 3]], [1, 1])  # class 1 (sample 1's) has no prototype
 CE = math.log(3)  # zero head, 3 classes
-PROTO = 5.0  # sample 0 only: (1 - 2)^2 + (2 - 0)^2 = 5 (squared norm, Eq. 5 as printed)
+PROTO_SUM = 5.0  # sample 0 only: (1 - 2)^2 + (2 - 0)^2 = 5 (squared norm, Eq. 5 as printed)
+PROTO = PROTO_SUM / 2  # the default, nn.MSELoss: divided by D = 2
 # sample 0 only: f = (1, 2)/sqrt5, cosines 1/sqrt5 (P0), 2/sqrt5 (P2); y = 0 -> log(1 + e^(32/sqrt5))
 PROXY = math.log1p(math.exp(32 / math.sqrt(5)))
 
@@ -104,14 +105,16 @@ def client_at(version, **options):
     return client
 
 
-@pytest.mark.parametrize("version,lam", [(0, 0.0), (10, 0.0), (20, 0.0), (60, 0.35), (100, 0.7), (500, 0.7)])
+# round = version + 1: 0 up to round 20 (version 19), M / 2 at round 60 (version 59), M = 0.7 from
+# round 100 on, the last round of a 100-round run, which trains against version 99
+@pytest.mark.parametrize("version,lam", [(0, 0.0), (10, 0.0), (19, 0.0), (20, 0.7 / 80), (59, 0.35), (98, 0.7 * 79 / 80),
+                                         (99, 0.7), (500, 0.7)])
 def test_loss_is_ce_plus_scheduled_proto_plus_proxy(version, lam):
     loss, terms = client_at(version).loss(FixedModel(), X, Y)
     assert set(terms) == {"ce", "proto", "proxy"}
     assert terms["ce"] == pytest.approx(CE)
     assert terms["proto"] == pytest.approx(PROTO)
     assert terms["proxy"] == pytest.approx(PROXY, rel=1e-5)
-    # before r_start = 20: 0; mid-ramp (60): M / 2; from 100 on: M = 0.7
     assert loss.item() == pytest.approx(CE + lam * PROTO + PROXY, rel=1e-5)
 
 
@@ -127,9 +130,19 @@ def test_without_schedule_the_weight_is_constant_m():
         assert loss.item() == pytest.approx(CE + 0.7 * PROTO + PROXY, rel=1e-5)
 
 
-def test_mean_reduction_divides_the_squared_distance_by_d():
-    _, terms = client_at(100, alignment_reduction="mean").loss(FixedModel(), X, Y)
-    assert terms["proto"] == pytest.approx(PROTO / 2)
+def test_sum_reduction_is_the_squared_norm_as_printed():
+    loss, terms = client_at(100, alignment_reduction="sum").loss(FixedModel(), X, Y)
+    assert terms["proto"] == pytest.approx(PROTO_SUM)
+    assert loss.item() == pytest.approx(CE + 0.7 * PROTO_SUM + PROXY, rel=1e-5)
+
+
+def test_the_default_alignment_is_nn_mse_loss():
+    """FedProto's code (HtFLlib clientproto.py): nn.MSELoss(proto_new, rep), the mean over the
+    batch and the D dimensions; here over the samples whose class has a prototype (sample 0)."""
+    feats = X[:1]
+    target = torch.tensor([[2.0, 0.0]])
+    _, terms = client_at(100).loss(FixedModel(), X, Y)
+    assert terms["proto"] == pytest.approx(float(torch.nn.MSELoss()(feats, target)))
 
 
 def test_before_any_prototype_only_ce_remains():
@@ -166,7 +179,7 @@ def test_server_uniform_mean_ignores_sample_counts():
 def test_options_defaults_match_the_paper():
     opts = ALGO.Options()
     assert opts.proxy_scale == 32.0 and opts.lam == 0.7 and opts.use_proxy is True
-    assert opts.aggregation == "uniform" and opts.alignment_reduction == "sum"
+    assert opts.aggregation == "uniform" and opts.alignment_reduction == "mean"
     s = opts.alignment_schedule
     assert (s.shape, s.start, s.length) == ("linear", 20, 80)
     assert ALGO.Options().alignment_schedule is not s  # each instance gets its own copy
