@@ -590,21 +590,31 @@ def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     requirements are on by default yet stay overridable, plus its ``async_config_defaults`` when
     ``federation.mode`` is async (the default); unset ``Optional`` data holdouts fall back to 0 here."""
     from rayfed_proto.algorithms import ALGORITHMS
+    from rayfed_proto.algorithms.base import SameAs
 
     algo = raw.get("algorithm")
     name = algo.get("name", AlgorithmConfig().name) if isinstance(algo, dict) else AlgorithmConfig().name
     defaults: dict[str, Any] = {"data.global_test_fraction": 0.0, "data.public_size": 0}
     if isinstance(name, str) and name in ALGORITHMS:
-        defaults.update(ALGORITHMS.get(name).config_defaults)
         mode = _dig(raw, ("federation", "mode"))
-        if (FederationConfig().mode if mode is None else mode) == "async":
-            defaults.update(ALGORITHMS.get(name).async_config_defaults)
+        options = {k: v for k, v in algo.items() if k != "name"} if isinstance(algo, dict) else {}
+        defaults.update(ALGORITHMS.get(name).defaults_for(options, FederationConfig().mode if mode is None else mode))
+    copies = {dotted: value for dotted, value in defaults.items() if isinstance(value, SameAs)}
     for dotted, value in defaults.items():
-        if _dig(raw, tuple(dotted.split("."))) is None:
-            try:
-                set_dotted(raw, dotted, copy.deepcopy(value))
-            except ConfigError:
-                pass  # a section given as a non-mapping: validation reports it
+        if dotted not in copies:
+            _set_unset(raw, dotted, value)
+    for dotted, same in copies.items():  # after the plain defaults, which they may copy
+        value = _dig(raw, tuple(same.key.split(".")))
+        _set_unset(raw, dotted, flatten(ExperimentConfig().to_dict()).get(same.key) if value is None else value)
+
+
+def _set_unset(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """``raw[dotted] = value`` unless the user set the key."""
+    if _dig(raw, tuple(dotted.split("."))) is None:
+        try:
+            set_dotted(raw, dotted, copy.deepcopy(value))
+        except ConfigError:
+            pass  # a section given as a non-mapping: validation reports it
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

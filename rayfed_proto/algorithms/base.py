@@ -375,6 +375,15 @@ class ServerAlgorithm:
         pass
 
 
+@dataclass(frozen=True)
+class SameAs:
+    """A config default that copies another key's value (dotted): ``{"algorithm.server_lr":
+    SameAs("training.lr")}`` makes FedTGP's server learning rate the client's unless the user sets
+    it. Resolved by the config loader after the other defaults; the resolved config holds the value."""
+
+    key: str
+
+
 class Algorithm:
     """A registered method: options, client part, server part, a capability flag and config defaults."""
 
@@ -389,6 +398,15 @@ class Algorithm:
     # Further defaults that apply only with federation.mode async (dotted keys, ``algorithm.*``
     # included), on top of ``config_defaults``; a value the user sets always wins.
     async_config_defaults: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def defaults_for(cls, options: dict[str, Any], mode: str) -> dict[str, Any]:
+        """The config defaults of a run of this method: ``config_defaults``, plus
+        ``async_config_defaults`` when ``mode`` (``federation.mode``) is async. ``options`` are the
+        ``algorithm.*`` keys as the user wrote them (not validated yet): a method whose run-level
+        defaults depend on one of its options (FedSC's ``variant``) overrides this. A value may be
+        a :class:`SameAs`; a value the user sets always wins."""
+        return {**cls.config_defaults, **(cls.async_config_defaults if mode == "async" else {})}
 
 
 # ----------------------------------------------------------------------------- prototype methods

@@ -5,8 +5,14 @@ generator G: class embedding E (N(0,1) init) -> Linear(D, H) -> ReLU -> Linear(H
 aggregation it computes the class means P^c of the uploaded prototypes, the adaptive margin
 delta = min(max_c min_{c' != c} d(P^c, P^c'), tau), and trains G for ``server_epochs`` on the
 uploaded (p, c) pairs with the margin-enhanced contrastive loss
-    CE over c' of logits -(d(p, G(c')) + delta * [c' = c]).
-It broadcasts G(c) for every class that has ever been uploaded. Clients use FedProto's loss.
+    CE over c' of logits -(d(p, G(c')) + delta * [c' = c]),
+with plain SGD at the client's learning rate and batch size unless ``server_lr`` /
+``server_batch_size`` are set (the reference: ``TsingZ0/HtFLlib``
+``system/flcore/servers/servertgp.py``, ``FedTGP.__init__``: ``server_learning_rate =
+args.local_learning_rate``, ``batch_size = args.batch_size``). It broadcasts G(c) for every class
+the generator knows, all C of them, once it has trained (``update_Gen``: ``for class_id in
+range(self.num_classes)``); ``broadcast_classes: seen`` keeps only the classes ever uploaded.
+Clients use FedProto's loss.
 
 Asynchronous mode (this platform's): ``aggregation_scope`` defaults to ``latest`` when
 ``federation.mode`` is async (``async_config_defaults``): the generator trains on every client's
@@ -14,6 +20,15 @@ latest upload, each staleness-weighted, and the margin is taken over all the cla
 hold, instead of ``server_epochs`` epochs on the K updates of one buffer and a margin over
 their classes only. In sync mode the default stays ``buffer`` (FedTGP's round: the uploads of
 the sampled clients); with full participation both are the same.
+
+Server work per update (``server_work``): the reference trains ``server_epochs`` epochs over one
+round's uploads, so each client update buys ``server_epochs`` passes over the pairs it uploaded.
+With ``latest`` a version of K updates trains on all N clients' uploads: ``server_epochs`` epochs
+there would be N / K times that work per update (10x in the default experiment, 20 clients,
+K = 2). ``per_update`` (default) trains round(server_epochs x K / N) epochs (at least 1), K the
+updates of this version with prototypes and N the uploads trained on: exactly ``server_epochs``
+whenever the two are the same (``buffer``, or sync with full participation). ``per_version``:
+``server_epochs`` every version.
 
 Which model the uploaded prototypes come from (``prototype_model``): ``trained`` (default) is the
 paper's client, whose prototypes are those of the model after its local training. The authors'
@@ -35,7 +50,7 @@ from pydantic import Field
 
 from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS
-from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer
+from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer, SameAs
 from rayfed_proto.algorithms.common import aggregate_prototypes, local_prototypes, safe_cdist
 from rayfed_proto.algorithms.fedproto import PrototypeAlignmentClient
 from rayfed_proto.messages import ClientUpdate, PrototypeSet
@@ -46,9 +61,19 @@ class FedTGPOptions(PrototypeOptions):
     aggregation: Literal["weighted", "uniform"] = Field(
         "uniform", description="class means P^c for the margin: uniform mean of the uploads (FedTGP) or sample-weighted")
     margin_threshold: float = Field(100.0, gt=0, description="tau: upper bound of the adaptive margin")
-    server_epochs: int = Field(100, ge=0, description="generator epochs per server version")
-    server_lr: float = Field(0.01, gt=0, description="generator SGD learning rate")
-    server_batch_size: int = Field(10, ge=1, description="generator mini-batch of (prototype, class) pairs")
+    server_epochs: int = Field(100, ge=0, description="generator epochs per round of the reference: per server version "
+                               "when the generator trains on this version's updates only (see server_work)")
+    server_work: Literal["per_update", "per_version"] = Field(
+        "per_update", description="per_update: server_epochs x (updates of this version) / (uploads trained on) epochs, "
+        "the reference's work per client update; per_version: server_epochs epochs every version")
+    # the reference's server uses the client's lr and batch size (HtFLlib servertgp.py, FedTGP.__init__);
+    # config_defaults copy training.lr / training.batch_size here unless set
+    server_lr: float = Field(0.01, gt=0, description="generator SGD learning rate (default: training.lr)")
+    server_batch_size: int = Field(10, ge=1, description="generator mini-batch of (prototype, class) pairs "
+                                   "(default: training.batch_size)")
+    broadcast_classes: Literal["all", "seen"] = Field(
+        "all", description="broadcast G(c) for every class once the generator has trained (reference update_Gen) or "
+        "only for the classes ever uploaded")
     hidden_dim: int = Field(0, ge=0, description="generator hidden width (0: feature_dim)")
     # "before_training" follows the authors' code (TsingZ0/FedTGP, HtFLlib clienttgp.py:
     # clientTGP.collect_protos reloads the model saved before this round's train()); the default
@@ -130,18 +155,28 @@ class FedTGPServer(PrototypeServer):
         protos = torch.tensor(np.concatenate([ps.vectors for ps in sets]), device=self.device)
         labels = torch.tensor(np.concatenate([ps.class_ids for ps in sets]), device=self.device)
         pair_w = torch.tensor(np.concatenate([np.full(len(ps), w, np.float32) for ps, w in zip(sets, ws, strict=False)]), device=self.device)
-        loss = self._train_generator(protos, labels, pair_w)
+        epochs = self.epochs_for(sum(1 for u in updates if u.prototypes is not None and len(u.prototypes)), len(sets))
+        loss = self._train_generator(protos, labels, pair_w, epochs)
         self.seen[classes] = True
         self._refresh_bank(version)
-        return {"server_loss": loss, "server_margin": self.margin}
+        return {"server_loss": loss, "server_margin": self.margin, "server_epochs": float(epochs)}
 
-    def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor, pair_w: torch.Tensor) -> float:
+    def epochs_for(self, new_uploads: int, trained_on: int) -> int:
+        """Generator epochs for a version of ``new_uploads`` updates training on ``trained_on``
+        uploads: ``server_epochs`` x new / trained (rounded, at least 1) with ``server_work:
+        per_update``, the reference's work per client update; ``server_epochs`` with ``per_version``."""
+        e = self.options.server_epochs
+        if self.options.server_work == "per_version" or e == 0 or trained_on <= new_uploads:
+            return e
+        return max(1, round(e * new_uploads / trained_on))
+
+    def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor, pair_w: torch.Tensor, epochs: int) -> float:
         opt = optim.sgd(self.generator.parameters(), lr=self.options.server_lr)
         all_classes = torch.arange(self.spec.num_classes, device=self.device)
         self.generator.train()
         total, steps = 0.0, 0
         bs = self.options.server_batch_size
-        for _ in range(self.options.server_epochs):
+        for _ in range(epochs):
             order = torch.randperm(len(labels), generator=self.shuffle).to(self.device)
             for i in range(0, len(order), bs):
                 idx = order[i : i + bs]
@@ -155,7 +190,8 @@ class FedTGPServer(PrototypeServer):
     @torch.no_grad()
     def _refresh_bank(self, version: int) -> None:
         self.generator.eval()
-        ids = np.flatnonzero(self.seen)
+        # reference update_Gen: G(c) for every class; "seen": only the classes ever uploaded
+        ids = np.flatnonzero(self.seen) if self.options.broadcast_classes == "seen" else np.arange(self.spec.num_classes)
         gen = self.generator(torch.as_tensor(ids, device=self.device)).cpu().numpy()
         self.bank.update({int(c): (gen[i], 1.0) for i, c in enumerate(ids)}, version)
 
@@ -204,4 +240,5 @@ class FedTGP(Algorithm):
     Options = FedTGPOptions
     Client = FedTGPClient
     Server = FedTGPServer
+    config_defaults = {"algorithm.server_lr": SameAs("training.lr"), "algorithm.server_batch_size": SameAs("training.batch_size")}
     async_config_defaults = {"algorithm.aggregation_scope": "latest"}

@@ -181,7 +181,7 @@ def test_fedtgp_margin_contrastive_loss_by_hand():
 def test_fedtgp_server_trains_generator_and_broadcasts_seen_classes_only():
     algo = ALGORITHMS.get("fedtgp")
     spec = FederationSpec(num_clients=2, num_classes=4, feature_dim=8, seed=0)
-    server = algo.Server(algo.Options(server_epochs=30, server_lr=0.1), spec, torch.device("cpu"))
+    server = algo.Server(algo.Options(server_epochs=30, server_lr=0.1, broadcast_classes="seen"), spec, torch.device("cpu"))
     rng = np.random.default_rng(0)
     centres = rng.normal(size=(2, 8)).astype(np.float32) * 3
     ups = [ClientUpdate(c, 0, 5, prototypes=PrototypeSet(np.array([0, 2]), centres + rng.normal(size=(2, 8)).astype(np.float32) * 0.1,
@@ -196,6 +196,61 @@ def test_fedtgp_server_trains_generator_and_broadcasts_seen_classes_only():
     # training pulls each generated prototype towards its class's uploads
     target = torch.tensor(centres)
     assert (after - target).norm(dim=1).mean() < (before - target).norm(dim=1).mean()
+
+
+def test_fedtgp_broadcasts_every_class_the_generator_knows_by_default():
+    """HtFLlib servertgp.py update_Gen: global_protos[class_id] = PROTO(class_id) for every class
+    of range(num_classes), once the generator has trained; nothing before."""
+    algo = ALGORITHMS.get("fedtgp")
+    spec = FederationSpec(num_clients=2, num_classes=4, feature_dim=8, seed=0)
+    server = algo.Server(algo.Options(server_epochs=2), spec, torch.device("cpu"))
+    assert len(server.broadcast(0).prototypes) == 0
+    ups = [ClientUpdate(c, 0, 5, prototypes=pset([0, 2], np.ones((2, 8)) * (c + 1), [2, 3])) for c in range(2)]
+    server.aggregate(ups, [1.0, 1.0], version=1)
+    state = server.broadcast(1)
+    assert state.prototypes.class_ids.tolist() == [0, 1, 2, 3]
+    with torch.no_grad():
+        np.testing.assert_allclose(state.prototypes.vectors, server.generator.eval()(torch.arange(4)).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("scope,new,trained_on,work,expected", [
+    ("latest", 2, 20, "per_update", 10),  # the default experiment: K = 2 of N = 20 uploads -> 100 x 2 / 20
+    ("latest", 2, 2, "per_update", 100),  # only the buffer's clients have uploaded yet
+    ("latest", 1, 3, "per_update", 33),
+    ("latest", 1, 1000, "per_update", 1),  # at least one epoch
+    ("buffer", 2, 2, "per_update", 100),  # the buffer: the reference's server_epochs
+    ("latest", 2, 20, "per_version", 100),
+])
+def test_fedtgp_server_epochs_keep_the_references_work_per_client_update(scope, new, trained_on, work, expected):
+    algo = ALGORITHMS.get("fedtgp")
+    spec = FederationSpec(num_clients=1000, num_classes=3, feature_dim=4, seed=0)
+    server = algo.Server(algo.Options(aggregation_scope=scope, server_work=work), spec, torch.device("cpu"))
+    assert server.epochs_for(new, trained_on) == expected
+
+
+def test_fedtgp_async_version_trains_the_scaled_epochs():
+    """aggregation_scope latest: a version of 1 update trains on 4 clients' uploads -> 100 / 4 = 25
+    epochs (the reference's work for one client update), not 100."""
+    algo = ALGORITHMS.get("fedtgp")
+    spec = FederationSpec(num_clients=4, num_classes=3, feature_dim=4, seed=0)
+    server = algo.Server(algo.Options(aggregation_scope="latest"), spec, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    ups = [ClientUpdate(c, 0, 5, prototypes=pset([0, 1], rng.normal(size=(2, 4)), [2, 3])) for c in range(4)]
+    assert server.aggregate(ups, [1.0] * 4, version=1)["server_epochs"] == 100.0  # all four are new
+    assert server.aggregate(ups[:1], [1.0], version=2)["server_epochs"] == 25.0
+
+
+def test_fedtgp_server_lr_and_batch_size_follow_the_clients_unless_set():
+    """HtFLlib servertgp.py FedTGP.__init__: server_learning_rate = args.local_learning_rate,
+    batch_size = args.batch_size."""
+    from rayfed_proto.config import build_config
+
+    opts = build_config({}, ["training.lr=0.05", "training.batch_size=32"]).algorithm_options()
+    assert (opts.server_lr, opts.server_batch_size) == (0.05, 32)
+    opts = build_config({}, ["training.lr=0.05", "algorithm.server_lr=0.2", "algorithm.server_batch_size=7"]).algorithm_options()
+    assert (opts.server_lr, opts.server_batch_size) == (0.2, 7)
+    assert (build_config({}).algorithm_options().server_lr, build_config({}).algorithm_options().server_batch_size) == (0.01, 10)
+    assert "server_lr" not in build_config({}, ["algorithm.name=fedproto", "training.lr=0.05"]).algorithm.model_extra
 
 
 @pytest.mark.parametrize("name", ["fedtgp", "fedsa", "fedsap", "fedproto", "fedavg"])
