@@ -27,9 +27,14 @@ from rayfed_proto.algorithms.common import (
     PrototypeBank,
     aggregate_prototypes,
     local_prototypes,
+    subset,
 )
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+
+# broadcast extra: the classes of the bank that the latest aggregation produced, the inference
+# bank under ``inference_memory: round`` (absent otherwise)
+ROUND_IDS = "round_class_ids"
 
 
 class Options(BaseModel):
@@ -243,9 +248,11 @@ class ClientAlgorithm:
 
     # -- receiving -------------------------------------------------------------------------
     def receive(self, state: GlobalState, model: torch.nn.Module) -> None:
-        """Take in the broadcast before training or evaluation (default: keep its bank)."""
+        """Take in the broadcast before training or evaluation (default: keep its bank, and the
+        classes of this round's aggregate when the server sends them, ``inference_memory: round``)."""
         self.version = state.version
         self.guidance = state.prototypes
+        self.round_ids = state.extras.get(ROUND_IDS)
 
     def set_unlabelled_pool(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """The client's separate unlabelled pool (``data.partition.unlabelled_per_client``),
@@ -325,8 +332,11 @@ class ClientAlgorithm:
 
     # -- inference ---------------------------------------------------------------------------
     def inference_bank(self) -> Optional[PrototypeSet]:
-        """Vectors for nearest-prototype inference (None: the method has no such mode)."""
-        return self.guidance
+        """Vectors for nearest-prototype inference (None: the method has no such mode): the
+        broadcast bank, restricted to the classes of the latest aggregation when the server
+        sent them (``inference_memory: round``)."""
+        round_ids = getattr(self, "round_ids", None)
+        return self.guidance if round_ids is None else subset(self.guidance, round_ids)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -427,6 +437,9 @@ class PrototypeOptions(Options):
         "pass after training; the default follows each method's reference code (docs/algorithms.md)")
     alignment_schedule: Optional[AlignmentSchedule] = Field(
         None, description="curriculum for the alignment weight (FedSAP Eq. 7); none: the constant lam")
+    inference_memory: Literal["round", "last_seen"] = Field(
+        "last_seen", description="nearest-prototype inference against the classes of the latest aggregation only "
+        "(round: the reference servers' bank of one round) or every class's last vector (last_seen)")
 
     def alignment_weight(self, version: int) -> float:
         """lambda_t: ``lam`` scaled by the schedule at the version trained against (FedSAP Eq. 7)."""
@@ -473,7 +486,10 @@ class PrototypeServer(ServerAlgorithm):
         return {}
 
     def broadcast(self, version: int) -> GlobalState:
-        return GlobalState(version=version, prototypes=self.bank.as_set())
+        extras = {}
+        if self.options.inference_memory == "round":  # the classes this version's aggregation produced
+            extras[ROUND_IDS] = self.bank.as_set(version).class_ids
+        return GlobalState(version=version, prototypes=self.bank.as_set(), extras=extras)
 
     def guidance_bank(self) -> Optional[PrototypeSet]:
         return self.bank.as_set()

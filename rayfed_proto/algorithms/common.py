@@ -98,8 +98,11 @@ class PrototypeBank:
             self.updated_at[c] = version
             self.weight[c] = w
 
-    def as_set(self) -> PrototypeSet:
-        ids = np.flatnonzero(self.present).astype(np.int64)
+    def as_set(self, version: Optional[int] = None) -> PrototypeSet:
+        """Every class with a vector; with ``version``, only those updated by the aggregation
+        that produced ``version`` (the reference servers' bank of one round)."""
+        present = self.present if version is None else self.present & (self.updated_at == version)
+        ids = np.flatnonzero(present).astype(np.int64)
         return PrototypeSet(ids, self.vectors[ids].copy(), np.maximum(self.weight[ids], 1).astype(np.int64))
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -109,6 +112,14 @@ class PrototypeBank:
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         for k in ("vectors", "present", "updated_at", "weight"):
             setattr(self, k, np.array(state[k]))
+
+
+def subset(ps: Optional[PrototypeSet], class_ids) -> Optional[PrototypeSet]:
+    """The rows of ``ps`` whose class is in ``class_ids`` (None stays None)."""
+    if ps is None:
+        return None
+    keep = np.isin(np.asarray(ps.class_ids), np.asarray(class_ids))
+    return PrototypeSet(np.asarray(ps.class_ids)[keep], np.asarray(ps.vectors)[keep], np.asarray(ps.counts)[keep])
 
 
 def prototype_margin(vectors: np.ndarray) -> tuple[float, float]:

@@ -89,6 +89,11 @@ class FedSAOptions(PrototypeOptions):
     inference_bank: Literal["prototypes", "anchors"] = Field(
         "prototypes", description="nearest-prototype inference against the server's aggregated client prototypes "
         "(authors' test_metrics) or against the anchors")
+    # the authors' serversa.py replaces global_protos with each round's proto_aggregation; async
+    # mode defaults to last_seen (FedSA.async_config_defaults)
+    inference_memory: Literal["round", "last_seen"] = Field(
+        "round", description="inference_bank prototypes: the classes of the latest aggregation only (authors' "
+        "serversa.py, default in sync mode) or every class's last aggregated prototype (default in async mode)")
 
 
 # ----------------------------------------------------------------------------- the equations
@@ -233,7 +238,8 @@ class FedSAServer(PrototypeServer):
         return {"anchor_shift": float(shift.mean()), "anchor_classes_updated": float(len(means))}
 
     def broadcast(self, version: int) -> GlobalState:
-        protos = self.prototypes.as_set()
+        # the inference bank: this version's aggregate only (authors' serversa.py) or every class's last
+        protos = self.prototypes.as_set(version if self.options.inference_memory == "round" else None)
         return GlobalState(version=version, prototypes=self.bank.as_set(),
                            extras={PROTO_IDS: protos.class_ids, PROTO_VECTORS: protos.vectors})
 
@@ -325,3 +331,5 @@ class FedSA(Algorithm):
     Options = FedSAOptions
     Client = FedSAClient
     Server = FedSAServer
+    # a version of K buffered updates is no round of the sampled clients: keep every class's last prototype
+    async_config_defaults = {"algorithm.inference_memory": "last_seen"}

@@ -253,6 +253,38 @@ def test_fedtgp_server_lr_and_batch_size_follow_the_clients_unless_set():
     assert "server_lr" not in build_config({}, ["algorithm.name=fedproto", "training.lr=0.05"]).algorithm.model_extra
 
 
+def test_fedproto_inference_bank_is_the_latest_rounds_aggregate_by_default():
+    """HtFLlib serverproto.py: global_protos = proto_aggregation(this round's uploads), and
+    clientproto.py test_metrics scores against it: a class nobody uploaded this round is not a
+    candidate. The training guidance keeps every class's last vector."""
+    algo = ALGORITHMS.get("fedproto")
+    server = algo.Server(algo.Options(), SPEC, torch.device("cpu"))
+    server.aggregate([ClientUpdate(0, 0, 1, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 1]))], [1.0], version=1)
+    server.aggregate([ClientUpdate(1, 1, 1, prototypes=pset([2], [[5, 5]], [1]))], [1.0], version=2)
+    client = algo.Client(algo.Options(), SPEC, 0)
+    client.receive(server.broadcast(2), FixedModel(num_classes=3))
+    assert client.guidance.class_ids.tolist() == [0, 1, 2]  # the alignment targets: every class's last vector
+    assert client.inference_bank().class_ids.tolist() == [2]
+    np.testing.assert_allclose(client.inference_bank().vectors, [[5, 5]])
+    # last_seen: every class's last vector, and the broadcast carries nothing more than the bank
+    kept = algo.Server(algo.Options(inference_memory="last_seen"), SPEC, torch.device("cpu"))
+    kept.aggregate([ClientUpdate(0, 0, 1, prototypes=pset([0, 1], [[1, 0], [0, 1]], [1, 1]))], [1.0], version=1)
+    kept.aggregate([ClientUpdate(1, 1, 1, prototypes=pset([2], [[5, 5]], [1]))], [1.0], version=2)
+    assert kept.broadcast(2).extras == {}
+    client.receive(kept.broadcast(2), FixedModel(num_classes=3))
+    assert client.inference_bank().class_ids.tolist() == [0, 1, 2]
+
+
+def test_fedproto_and_fedsa_keep_last_seen_banks_in_async_mode():
+    from rayfed_proto.config import build_config
+
+    for name in ("fedproto", "fedsa"):
+        assert build_config({}, [f"algorithm.name={name}", "federation.mode=sync"]).algorithm_options().inference_memory == "round"
+        assert build_config({}, [f"algorithm.name={name}"]).algorithm_options().inference_memory == "last_seen"
+        assert build_config({}, [f"algorithm.name={name}", "algorithm.inference_memory=round"]
+                            ).algorithm_options().inference_memory == "round"
+
+
 @pytest.mark.parametrize("name", ["fedtgp", "fedsa", "fedsap", "fedproto", "fedavg"])
 def test_server_state_dict_is_a_snapshot_not_a_view(name):
     # the runtime rolls a non-finite version back to the state_dict taken before aggregating:

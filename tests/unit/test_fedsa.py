@@ -260,9 +260,16 @@ def test_inference_bank_is_the_aggregated_client_prototypes_not_the_anchors():
     anchors = ALGO.Client(ALGO.Options(inference_bank="anchors"), SPEC, 0)
     anchors.receive(state, FixedModel())
     np.testing.assert_array_equal(anchors.inference_bank().vectors, state.prototypes.vectors)
-    # a class nobody uploads this time keeps its last prototype; before any upload there is no bank
-    server.aggregate([ClientUpdate(2, 1, 2, prototypes=pset([2], [[5, 5]], [2]))], [1.0], version=2)
+    # the next round's bank holds only that round's classes (serversa.py: global_protos =
+    # proto_aggregation(this round's uploads)); with last_seen a class nobody uploads keeps its vector
+    last_seen = ALGO.Server(ALGO.Options(alpha=0.5, aggregation="weighted", inference_memory="last_seen"), SPEC, CPU)
+    for srv in (server, last_seen):
+        srv.aggregate([u1, u2], [1.0, 0.5], version=1)
+        srv.aggregate([ClientUpdate(2, 1, 2, prototypes=pset([2], [[5, 5]], [2]))], [1.0], version=2)
     client.receive(server.broadcast(2), FixedModel())
+    assert client.inference_bank().class_ids.tolist() == [2]
+    np.testing.assert_allclose(client.inference_bank().vectors, [[5, 5]], rtol=1e-6)
+    client.receive(last_seen.broadcast(2), FixedModel())
     np.testing.assert_allclose(client.inference_bank().vectors, [[2.2, 0], [0, 1], [5, 5]], rtol=1e-6)
     fresh = ALGO.Client(ALGO.Options(), SPEC, 0)
     fresh.receive(ALGO.Server(ALGO.Options(), SPEC, CPU).broadcast(0), FixedModel())
