@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Auto = Literal["auto"]
 
@@ -60,6 +60,18 @@ class _Section(BaseModel):
 # --------------------------------------------------------------------------- sections
 
 
+# FedProto's test shots per class and dataset (yuetan031/fedproto lib/sampling.py, the *_noniid_lt
+# samplers, as issue 35 reports them; that file is not readable here, so no line is given);
+# every other dataset: 15, FedProto's --test_shots default
+KSHOT_TEST_SHOTS = {"mnist": 40, "cifar10": 15, "femnist": 15, "cifar100": 5}
+KSHOT_TEST_SHOTS_DEFAULT = 15
+
+
+def kshot_test_shots(dataset_name: str) -> int:
+    """FedProto's n-way k-shot test samples per class for ``dataset_name`` (15 for others)."""
+    return KSHOT_TEST_SHOTS.get(dataset_name, KSHOT_TEST_SHOTS_DEFAULT)
+
+
 class PartitionConfig(_Section):
     """How the dataset is split over clients (see rayfed_proto.data.partition)."""
 
@@ -67,12 +79,18 @@ class PartitionConfig(_Section):
     beta: float = Field(0.1, gt=0, description="Dirichlet concentration; smaller = more skew")
     min_samples: int = Field(10, ge=1, description="Dirichlet: resample until every client has this many")
     classes_per_client: int = Field(2, ge=1, description="pathological: k classes per client")
-    n_way: int = Field(5, ge=1, description="n-way k-shot: classes per client")
+    n_way: int = Field(5, ge=1, description="n-way k-shot: classes per client (the mean with n_way_std)")
+    n_way_std: int = Field(
+        0, ge=0, description="n-way k-shot: per client n drawn uniformly from [max(2, n_way - n_way_std), "
+        "min(C - 1, n_way + n_way_std)] (FedProto's --stdev, exps/federated_main.py n_list); 0: n_way for every client")
     k_shot: int = Field(20, ge=1, description="n-way k-shot: labelled training samples per class per client")
-    k_shot_std: float = Field(0.0, ge=0, description="n-way k-shot: std of k across clients")
-    test_shots: int = Field(
-        15, ge=1, description="n-way k-shot: test samples per class of each client's classes, none of them a training "
-        "sample (FedProto's code: --test_shots 15, lib/options.py)")
+    k_shot_std: float = Field(0.0, ge=0, description="n-way k-shot: spread of k across clients (see k_shot_distribution)")
+    k_shot_distribution: Literal["uniform", "normal"] = Field(
+        "uniform", description="n-way k-shot: per client k uniform in [k_shot - k_shot_std, k_shot + k_shot_std] "
+        "(FedProto's k_list, default) or round(N(k_shot, k_shot_std)) (at least 1)")
+    test_shots: Optional[int] = Field(
+        None, ge=1, description="n-way k-shot: test samples per class of each client's classes, none of them a training "
+        "sample; None: FedProto's value for data.name (mnist 40, cifar10 and femnist 15, cifar100 5, others 15)")
     clients_per_domain: Optional[list[int]] = Field(
         None, description="by_domain: clients given to each domain, in the dataset's domain order (None: spread evenly)")
     within_domain: str = Field("iid", description="by_domain: partitioner used inside each domain (label skew composes)")
@@ -122,6 +140,14 @@ class DataConfig(_Section):
         None, ge=0, description="samples held out as the public unlabelled proxy set; None: the algorithm's default")
     partition: PartitionConfig = PartitionConfig()
     hf: HFDataConfig = HFDataConfig()
+
+    @model_validator(mode="after")
+    def _fedproto_test_shots(self) -> DataConfig:
+        """An unset ``partition.test_shots`` becomes FedProto's value for this dataset, so the
+        resolved config holds the number the partition uses."""
+        if self.partition.test_shots is None:
+            self.partition.test_shots = kshot_test_shots(self.name)
+        return self
 
 
 class ModelConfig(_Section):

@@ -30,7 +30,14 @@ from typing import Optional
 
 import numpy as np
 
-from rayfed_proto.config import ConfigIssue, ExperimentConfig, PartitionConfig, register_check, unknown_name_issues
+from rayfed_proto.config import (
+    ConfigIssue,
+    ExperimentConfig,
+    PartitionConfig,
+    kshot_test_shots,
+    register_check,
+    unknown_name_issues,
+)
 from rayfed_proto.data import PARTITIONERS
 from rayfed_proto.data.base import ArrayDataset
 
@@ -298,12 +305,43 @@ def pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
     return [np.concatenate(p) for p in parts]
 
 
+def _uniform_int(rng: np.random.Generator, low: int, high: int, size: int) -> np.ndarray:
+    """``size`` integers uniform in [low, high] (both included)."""
+    return rng.integers(low, high + 1, size=size)
+
+
+def kshot_ways(cfg: PartitionConfig, num_classes: int, num_clients: int, rng: np.random.Generator) -> np.ndarray:
+    """n per client: ``n_way`` without ``n_way_std``; else uniform in [max(2, n_way - s),
+    min(C - 1, n_way + s)], FedProto's ``n_list = np.random.randint(max(2, ways - stdev),
+    min(num_classes, ways + stdev + 1), num_users)`` (exps/federated_main.py; numpy's upper bound
+    is exclusive). Where that range is empty (n_way < 2 or n_way = C) every client gets n_way."""
+    s = cfg.n_way_std
+    low, high = max(2, cfg.n_way - s), min(num_classes - 1, cfg.n_way + s)
+    if s == 0 or low > high:
+        return np.full(num_clients, cfg.n_way)
+    return _uniform_int(rng, low, high, num_clients)
+
+
+def kshot_shots(cfg: PartitionConfig, num_clients: int, rng: np.random.Generator) -> Optional[np.ndarray]:
+    """k per client drawn up front with ``k_shot_distribution: uniform``: uniform integers in
+    [k_shot - k_shot_std, k_shot + k_shot_std] (at least 1), FedProto's ``k_list =
+    np.random.randint(...)`` (exps/federated_main.py; its bounds differ by dataset by one either
+    side, e.g. [shots - stdev + 1, shots + stdev] for CIFAR-10: here symmetric). None: k is
+    ``k_shot``, or with ``normal`` drawn per client in the loop (the rule before issue 35)."""
+    if cfg.k_shot_std == 0 or cfg.k_shot_distribution == "normal":
+        return None
+    low = max(1, int(round(cfg.k_shot - cfg.k_shot_std)))
+    return _uniform_int(rng, low, max(low, int(round(cfg.k_shot + cfg.k_shot_std))), num_clients)
+
+
 @PARTITIONERS.register("nway_kshot", help="FedProto: n_way random classes per client, k_shot training samples each")
 def nway_kshot(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cfg: PartitionConfig,
                dataset: ArrayDataset) -> list[np.ndarray]:
-    """FedProto's protocol: every client draws ``n_way`` classes and ``k`` training samples of each.
+    """FedProto's protocol: every client draws n classes and ``k`` training samples of each.
 
-    ``k`` is ``k_shot``, or per client ``round(N(k_shot, k_shot_std))`` (at least 1). Samples
+    n is ``n_way``, or per client uniform around it with ``n_way_std`` (:func:`kshot_ways`); ``k``
+    is ``k_shot``, or per client uniform in ``k_shot`` +- ``k_shot_std`` (:func:`kshot_shots`;
+    ``k_shot_distribution: normal``: ``round(N(k_shot, k_shot_std))``, at least 1). Samples
     are drawn without replacement across clients; once a class is used up, its later clients
     draw from the whole class again (so clients can share samples; a warning says so), still
     without repeating a sample within a client. Samples no client draws stay unused.
@@ -316,14 +354,19 @@ def nway_kshot(labels: np.ndarray, num_clients: int, rng: np.random.Generator, c
     classes = np.array(sorted(by_class))
     if cfg.n_way > len(classes):
         raise ValueError(f"data.partition.n_way = {cfg.n_way} exceeds the {len(classes)} classes in the dataset")
+    ways = kshot_ways(cfg, len(classes), num_clients, rng)  # FedProto: n_list, then k_list
+    shots = kshot_shots(cfg, num_clients, rng)
     pools = {c: rng.permutation(idx) for c, idx in by_class.items()}  # unused samples, drawn from the front
     reused: set[int] = set()
     capped: set[int] = set()
     parts = []
-    for _ in range(num_clients):
-        k = cfg.k_shot if cfg.k_shot_std == 0 else max(1, int(round(rng.normal(cfg.k_shot, cfg.k_shot_std))))
+    for i in range(num_clients):
+        if shots is not None:
+            k = int(shots[i])
+        else:
+            k = cfg.k_shot if cfg.k_shot_std == 0 else max(1, int(round(rng.normal(cfg.k_shot, cfg.k_shot_std))))
         chosen = []
-        for c in rng.choice(classes, size=cfg.n_way, replace=False):
+        for c in rng.choice(classes, size=int(ways[i]), replace=False):
             c = int(c)
             if k > len(by_class[c]):
                 capped.add(c)
@@ -723,11 +766,12 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
     rng = np.random.default_rng(seed)
     everyone = np.arange(len(dataset), dtype=np.int64) if pool is None else pool
     kshot = _is_kshot(cfg)
+    test_shots = cfg.test_shots if cfg.test_shots is not None else kshot_test_shots(dataset.name)
     trainable = pool  # what the partitioner deals out (None: the whole dataset)
     if kshot and dataset.is_train is not None:
         trainable = everyone[dataset.is_train[everyone]]
     elif kshot:
-        reserve = _test_reserve(everyone, dataset, cfg.test_shots, np.random.default_rng([seed, 5]))
+        reserve = _test_reserve(everyone, dataset, test_shots, np.random.default_rng([seed, 5]))
         trainable = np.setdiff1d(everyone, reserve)
     if trainable is None:
         parts = partitioner(dataset.labels, num_clients, rng, cfg, dataset)
@@ -745,7 +789,7 @@ def make_partition(dataset: ArrayDataset, cfg: PartitionConfig, num_clients: int
         for client, idx in zip(clients, pools, strict=True):
             client.unlabelled_idx = idx
     if kshot:
-        _assign_kshot_tests(clients, everyone, dataset, cfg.test_shots, rng)
+        _assign_kshot_tests(clients, everyone, dataset, test_shots, rng)
     return Partition(clients=clients, num_classes=dataset.num_classes, partitioner=cfg.name, seed=seed,
                      labels=dataset.labels, global_test_idx=global_test, public_idx=public,
                      client_domains=_client_domains(dataset, clients),

@@ -157,3 +157,56 @@ def test_fedsap_digits_preset_trains_on_20_shots_and_tests_on_15_per_class():
         warnings.simplefilter("ignore")  # 1,200 shots of 1,797 digits: the most drawn classes run out (warned)
         p = make_partition(ds, cfg.data.partition, cfg.federation.num_clients, cfg.seed, cfg.data.test_fraction)
     check_shots(p, n_way=3, k=20, test_shots=15)
+
+
+# ----------------------------------------------------------------------------- FedProto's sampling (issue 35, item 5)
+
+
+def test_n_per_client_is_drawn_uniformly_as_fedprotos_n_list(ds):
+    """exps/federated_main.py: n_list = np.random.randint(max(2, ways - stdev), min(num_classes,
+    ways + stdev + 1), num_users): n uniform in [max(2, 4 - 2), min(9, 4 + 2)] = [2, 6], drawn first."""
+    cfg = PartitionConfig(name="nway_kshot", n_way=4, n_way_std=2, k_shot=5, test_shots=3)
+    p = make_partition(ds, cfg, num_clients=30, seed=11)
+    ways = (p.label_counts("train") > 0).sum(axis=1)
+    np.testing.assert_array_equal(ways, np.random.default_rng(11).integers(2, 7, size=30))
+    assert ways.min() == 2 and ways.max() == 6
+    assert (p.label_counts("train")[p.label_counts("train") > 0] == 5).all()
+
+
+def test_n_way_std_is_capped_below_the_number_of_classes(ds):
+    cfg = PartitionConfig(name="nway_kshot", n_way=8, n_way_std=3, k_shot=2, test_shots=1)
+    ways = (make_partition(ds, cfg, num_clients=40, seed=0).label_counts("train") > 0).sum(axis=1)
+    assert ways.min() == 5 and ways.max() == 9  # min(C - 1, 8 + 3) = 9, as randint's exclusive min(C, 12)
+
+
+def test_k_per_client_is_uniform_around_k_shot(ds):
+    """FedProto's k_list: uniform integers, one k per client shared by its classes, drawn after n."""
+    cfg = PartitionConfig(name="nway_kshot", n_way=2, n_way_std=1, k_shot=6, k_shot_std=3, test_shots=2)
+    counts = make_partition(ds, cfg, num_clients=40, seed=4).label_counts("train")
+    rng = np.random.default_rng(4)
+    rng.integers(2, 4, size=40)  # n_list first
+    expected_k = rng.integers(3, 10, size=40)  # [6 - 3, 6 + 3]
+    for row, k in zip(counts, expected_k, strict=True):
+        assert set(row[row > 0]) == {k}
+
+
+def test_normal_k_keeps_the_rule_before_issue_35(ds):
+    cfg = PartitionConfig(name="nway_kshot", n_way=2, k_shot=5, k_shot_std=3, k_shot_distribution="normal")
+    ks = [set(r[r > 0]).pop() for r in make_partition(ds, cfg, num_clients=20, seed=0).label_counts("train")]
+    assert min(ks) >= 1 and len(set(ks)) > 2
+
+
+@pytest.mark.parametrize("name,shots", [("mnist", 40), ("cifar10", 15), ("cifar100", 5), ("digits", 15), ("synthetic", 15)])
+def test_test_shots_default_to_fedprotos_per_dataset_value(name, shots):
+    from rayfed_proto.config import DataConfig
+
+    assert DataConfig(name=name).partition.test_shots == shots
+    assert DataConfig(name=name, partition={"test_shots": 7}).partition.test_shots == 7  # an explicit value wins
+
+
+def test_unset_test_shots_follow_the_datasets_name_in_make_partition():
+    labels = np.random.default_rng(5).permutation(np.repeat(np.arange(10), 200))
+    mnist_like = make_ds(labels)
+    mnist_like.name = "mnist"
+    p = make_partition(mnist_like, PartitionConfig(name="nway_kshot", n_way=2, k_shot=5), num_clients=4, seed=0)
+    assert set(p.label_counts("test")[p.label_counts("test") > 0]) == {40}
