@@ -284,7 +284,8 @@ class ClientAlgorithm:
 
     def prototype_source(self) -> str:
         """Where the uploaded prototypes come from: ``train`` (collected from the training forward
-        passes, no extra pass) or ``eval`` (an eval-mode pass over the split after training).
+        passes, no extra pass), ``train_last_epoch`` (those of the last local epoch only, FedSC's
+        authors' code) or ``eval`` (an eval-mode pass over the split after training).
         Per method, following its reference code (``algorithm.prototype_source``)."""
         return getattr(self.options, "prototype_source", "eval")
 
@@ -292,15 +293,17 @@ class ClientAlgorithm:
         """Default local update: ``epochs`` passes of SGD on :meth:`loss`; returns mean terms."""
         model.train()
         tally = StepTally()
-        collect = self.prototype_source() == "train" and hasattr(model, "projection")
+        source = self.prototype_source()
+        collect = source in ("train", "train_last_epoch") and hasattr(model, "projection")
         self._train_protos = None
         with (TrainPrototypes(model, self.spec.num_classes) if collect else contextlib.nullcontext()) as protos:
-            for _ in range(epochs):
+            for epoch in range(epochs):
+                record = protos is not None and (source == "train" or epoch == epochs - 1)
                 for xb, yb in batches.epoch():
                     xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
                     optimizer.zero_grad(set_to_none=True)
                     loss, terms = self.loss(model, xb, yb)
-                    if tally.step(model, optimizer, loss, terms) and protos is not None:
+                    if tally.step(model, optimizer, loss, terms) and record:
                         protos.add(yb)
         if protos is not None:
             self._train_protos = protos.result(batches.y)

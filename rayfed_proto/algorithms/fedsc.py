@@ -32,8 +32,16 @@ r_k^j exists) -- N x C x D x 4 bytes.
 Client (Eq. 13-16): L = CE + w_rpcl L_RPCL + w_cpdr L_CPDR (paper: both weights 1), z = f(x):
     s(z, r) = cos(z, r) / U_r,   U_r = mean over the mini-batch of ||z_b - r||_2 (detached)  (Eq. 13)
     L_RPCL  = -log sum_{r in R^y} e^{s(z, r)/tau} / sum_{r in R} e^{s(z, r)/tau}              (Eq. 14)
-    L_CPDR  = sum_q |z_q - o^y_q|                                                              (Eq. 15)
+    L_CPDR  = sum_q |z_q - o^y_q|   (paper; the authors' code: F.mse_loss(z, o^y))           (Eq. 15)
 R^y: every client's relational prototype of class y (positives); R: all of them.
+
+Variants (``variant``): ``code`` (default) is the authors' runnable code (``hwang52/FedSC``,
+``main_fedsc.py`` and ``utils/options.py``): L_CPDR as ``F.mse_loss`` (``cpdr_reduction: mse``),
+prototypes averaged over the features of the last local epoch's training passes
+(``prototype_source: train_last_epoch``), and as run defaults plain SGD at lr 0.1 (no momentum,
+no weight decay) with 5 of 10 clients per round (``federation.participation: 0.5``);
+``paper`` is Sec. 4-5 as printed: L1 sum, an eval-mode pass after training, SGD lr 0.01
+momentum 0.9 weight decay 1e-5, every client in every round. A key the user sets wins.
 """
 
 from __future__ import annotations
@@ -60,17 +68,54 @@ from rayfed_proto.algorithms.common import (
 from rayfed_proto.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgServer
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
 
+FedSCVariant = Literal["code", "paper"]
+# algorithm.* defaults of each variant (a value the user sets wins): the authors' main_fedsc.py
+# Local.local_train computes cpdr_loss = F.mse_loss(feas, torch.stack(reg_vector)) and averages
+# the features of the last local epoch (if tr_idx == num_epochs_local_training - 1); the paper
+# prints Eq. 15 as an L1 sum and computes the prototypes from the trained model (Eq. 3-4)
+VARIANT_OPTIONS: dict[str, dict[str, str]] = {
+    "code": {"cpdr_reduction": "mse", "prototype_source": "train_last_epoch"},
+    "paper": {"cpdr_reduction": "sum", "prototype_source": "eval"},
+}
+# run-level defaults (training.*, federation.*) of each variant: the authors' Local.__init__ builds
+# SGD(params, lr=args.lr_local_training) (utils/options.py: --lr_local_training 0.1, no momentum,
+# no weight decay) and FedSC_main samples --num_online_clients 5 of --num_clients 10 per round; the
+# paper (Sec. 5.1, "Configurations"): SGD lr 0.01, momentum 0.9, weight decay 1e-5, K = 10 clients
+VARIANT_RUN_DEFAULTS: dict[str, dict[str, float]] = {
+    "code": {"training.lr": 0.1, "training.momentum": 0.0, "training.weight_decay": 0.0,
+             "federation.participation": 0.5},
+    "paper": {"training.lr": 0.01, "training.momentum": 0.9, "training.weight_decay": 1e-5,
+              "federation.participation": 1.0},
+}
+
 
 class FedSCOptions(FedAvgOptions):
+    variant: FedSCVariant = Field(
+        "code", description="defaults of the authors' runnable code (hwang52/FedSC: CPDR as F.mse_loss, last-epoch "
+        "training-pass prototypes, SGD lr 0.1, 5 of 10 clients per round) or of the paper (L1 CPDR, eval-pass "
+        "prototypes, SGD lr 0.01 momentum 0.9 weight decay 1e-5, every client); keys set explicitly win")
     num_neighbors: int = Field(2, ge=0, description="M: neighbouring clients merged into a relational prototype (Eq. 8; paper 2)")
     tau: float = Field(0.05, gt=0, description="temperature of L_RPCL (Eq. 14; paper 0.05)")
     rpcl_weight: float = Field(1.0, ge=0, description="weight of L_RPCL (paper: 1, an unweighted sum); 0 turns it off")
     cpdr_weight: float = Field(1.0, ge=0, description="weight of L_CPDR (paper: 1, an unweighted sum); 0 turns it off")
-    cpdr_reduction: Literal["sum", "mean"] = Field(
-        "sum", description="L_CPDR over the D dimensions: summed L1 (Eq. 15 as printed) or its mean (divided by D)")
+    cpdr_reduction: Literal["sum", "mean", "mse"] = Field(
+        "mse", description="L_CPDR: summed L1 over the D dimensions (Eq. 15 as printed; variant paper), its mean "
+        "(divided by D), or the squared error averaged over the batch and D (F.mse_loss, the authors' code; variant code)")
+    prototype_source: Literal["eval", "train", "train_last_epoch"] = Field(
+        "train_last_epoch", description="uploaded prototypes: features of the last local epoch's training passes "
+        "(the authors' code; variant code), of every epoch's, or an eval-mode pass after training (variant paper)")
     aggregation_scope: Literal["latest", "buffer"] = Field(
         "latest", description="client prototypes used by the server: every client's latest upload (staleness-weighted) "
         "or only this version's buffer (formerly prototype_scope)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _variant_defaults(cls, data: Any) -> Any:
+        """The chosen variant's values for the algorithm options the user left unset."""
+        if not isinstance(data, dict):
+            return data
+        variant = data.get("variant", cls.model_fields["variant"].default)
+        return {**VARIANT_OPTIONS.get(variant, {}), **data}
 
     @model_validator(mode="before")
     @classmethod
@@ -211,12 +256,18 @@ def rpcl_loss(z: torch.Tensor, labels: torch.Tensor, rel: torch.Tensor, rel_labe
 
 
 def cpdr_loss(z: torch.Tensor, labels: torch.Tensor, consistent: torch.Tensor, mask: torch.Tensor,
-              reduction: Literal["sum", "mean"] = "sum") -> torch.Tensor:
+              reduction: Literal["sum", "mean", "mse"] = "sum") -> torch.Tensor:
     """L_CPDR = sum_q |z_q - o^y_q| (FedSC Eq. 15), mean over samples whose class has o^y;
-    ``mean`` divides by D."""
+    ``mean`` divides by D. ``mse``: the authors' ``F.mse_loss(feas, reg_vector)``, the squared
+    error averaged over every sample of the batch and the D dimensions, a sample whose class has
+    no o^y counting with its own detached feature as target (0)."""
     if consistent.numel() == 0:
         return z.sum() * 0.0
     keep = mask[labels]  # masked, not selected: no host read per step
+    if reduction == "mse":
+        # hwang52/FedSC main_fedsc.py Local.local_train: F.mse_loss(feas, torch.stack(reg_vector))
+        sq = ((z - consistent[labels]) ** 2).sum(1) * keep.to(z.dtype)
+        return sq.sum() / (z.shape[0] * z.shape[1])
     per_sample = (z - consistent[labels]).abs().sum(1)  # FedSC Eq. 15
     if reduction == "mean":
         per_sample = per_sample / z.shape[1]
@@ -343,13 +394,18 @@ class FedSCClient(FedAvgClient):
 
     @classmethod
     def update_work(cls, options, sizes: UpdateSizes) -> list[Pass]:
-        """FedAvg's local epochs plus the eval-mode pass over the training split for the local
-        prototypes (Eq. 3-4)."""
-        return [*super().update_work(options, sizes), Pass("train", sizes.train, backward=False)]
+        """FedAvg's local epochs, plus the eval-mode pass over the training split for the local
+        prototypes (Eq. 3-4) with ``prototype_source: eval`` (the training passes cost nothing more)."""
+        work = super().update_work(options, sizes)
+        if options.prototype_source == "eval":
+            work.append(Pass("train", sizes.train, backward=False))
+        return work
 
     def make_update(self, model, x, y) -> ClientUpdate:
         update = super().make_update(model, x, y)  # weights (FedAvg path)
-        update.prototypes = local_prototypes(model, x, y)  # FedSC Eq. 3-4, with counts n_k^j
+        protos, self._train_protos = getattr(self, "_train_protos", None), None  # collected by local_train
+        # FedSC Eq. 3-4, with counts n_k^j: from the training passes, or an eval-mode pass now
+        update.prototypes = protos if protos is not None else local_prototypes(model, x, y)
         return update
 
     def inference_bank(self) -> Optional[PrototypeSet]:
@@ -363,3 +419,9 @@ class FedSC(Algorithm):
     Server = FedSCServer
     requires_homogeneous_models = True
     config_defaults = {"data.global_test_fraction": 0.2}
+
+    @classmethod
+    def defaults_for(cls, options: dict[str, Any], mode: str) -> dict[str, Any]:
+        """Also the run-level defaults of the chosen ``variant`` (optimizer, participation)."""
+        variant = options.get("variant", FedSCOptions.model_fields["variant"].default)
+        return {**super().defaults_for(options, mode), **VARIANT_RUN_DEFAULTS.get(variant, {})}

@@ -49,12 +49,45 @@ def fixed_spec(num_clients=3, num_classes=3):
 # ----------------------------------------------------------------------------- options
 
 
-def test_defaults_are_the_papers():
+def test_defaults_are_the_authors_code_and_the_paper_is_a_variant():
     o = ALGO.Options()
     assert (o.num_neighbors, o.tau, o.rpcl_weight, o.cpdr_weight) == (2, 0.05, 1.0, 1.0)
-    assert (o.cpdr_reduction, o.aggregation_scope, o.server_lr) == ("sum", "latest", 1.0)
+    assert (o.variant, o.cpdr_reduction, o.prototype_source) == ("code", "mse", "train_last_epoch")
+    assert (o.aggregation_scope, o.server_lr) == ("latest", 1.0)
+    paper = ALGO.Options(variant="paper")
+    assert (paper.cpdr_reduction, paper.prototype_source) == ("sum", "eval")
+    assert ALGO.Options(variant="paper", cpdr_reduction="mean").cpdr_reduction == "mean"  # a set key wins
     cfg = build_config({"algorithm": {"name": "fedsc"}, "model": {"group": "HtFE1"}})
     assert cfg.data.global_test_fraction == 0.2 and ALGO.requires_homogeneous_models
+
+
+def run_settings(cfg):
+    t = cfg.training
+    return t.lr, t.momentum, t.weight_decay, cfg.federation.participation
+
+
+def test_variant_code_sets_the_authors_optimizer_and_participation():
+    """hwang52/FedSC: SGD(params, lr=args.lr_local_training) with --lr_local_training 0.1 (no
+    momentum, no weight decay); --num_online_clients 5 of --num_clients 10 per round."""
+    base = {"model": {"group": "HtFE1"}, "federation": {"mode": "sync", "num_clients": 10}}
+    code = build_config({**base, "algorithm": {"name": "fedsc"}})
+    assert run_settings(code) == (0.1, 0.0, 0.0, 0.5)
+    assert code.algorithm.model_extra["cpdr_reduction"] == "mse"
+    paper = build_config({**base, "algorithm": {"name": "fedsc", "variant": "paper"}})
+    assert run_settings(paper) == (0.01, 0.9, 1e-5, 1.0)  # Sec. 5.1, every client
+    assert paper.algorithm.model_extra["prototype_source"] == "eval"
+    mine = build_config({**base, "algorithm": {"name": "fedsc"}}, ["training.lr=0.05", "federation.participation=1.0"])
+    assert run_settings(mine) == (0.05, 0.0, 0.0, 1.0)  # what the user sets wins
+    assert run_settings(build_config({**base, "algorithm": {"name": "fedavg"}})) == (0.01, 0.0, 0.0, 1.0)
+
+
+def test_presets_keep_the_paper_variant():
+    from rayfed_proto.config import load_config
+    from rayfed_proto.preset_files import resolve_config_arg
+
+    for name in ("fedsc_cifar10", "fedsc_domains"):
+        opts = load_config(resolve_config_arg(name)).algorithm_options()
+        assert (opts.variant, opts.prototype_source) == ("paper", "eval"), name
 
 
 # ----------------------------------------------------------------------------- Eq. 5, 7-9
@@ -204,6 +237,22 @@ def test_cpdr_by_hand():
     assert cpdr_loss(z, torch.tensor([1, 1]), o, mask).item() == 0.0
 
 
+def test_cpdr_mse_is_the_authors_f_mse_loss():
+    """main_fedsc.py: reg_vector = co_p[y] where the class has one, else feas[i].detach();
+    cpdr_loss = F.mse_loss(feas, stack(reg_vector)): mean over the batch and D."""
+    z = torch.tensor([[1.0, 2.0], [7.0, 7.0]], requires_grad=True)
+    o = torch.tensor([[0.0, 4.0], [0.0, 0.0], [0.0, 0.0]])
+    mask = torch.tensor([True, False, False])
+    got = cpdr_loss(z, torch.tensor([0, 1]), o, mask, "mse")
+    assert got.item() == pytest.approx((1 + 4) / 4)  # (1^2 + 2^2) / (B = 2 x D = 2)
+    reference = torch.nn.functional.mse_loss(z, torch.stack([o[0], z[1].detach()]))
+    assert got.item() == pytest.approx(reference.item())
+    got.backward()
+    z2 = z.detach().clone().requires_grad_(True)
+    torch.nn.functional.mse_loss(z2, torch.stack([o[0], z2[1].detach()])).backward()
+    torch.testing.assert_close(z.grad, z2.grad)
+
+
 # ----------------------------------------------------------------------------- client
 
 
@@ -225,7 +274,7 @@ def sc_state(version=1):
 
 def test_client_loss_is_ce_plus_weighted_terms():
     z, y = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
-    client, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.5, cpdr_weight=2.0)
+    client, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.5, cpdr_weight=2.0, cpdr_reduction="sum")
     loss, terms = client.loss(model, z, y)
     assert set(terms) == {"ce", "rpcl", "cpdr"}
     assert terms["ce"] == pytest.approx(math.log(3))  # zero head
@@ -235,7 +284,7 @@ def test_client_loss_is_ce_plus_weighted_terms():
     assert terms["cpdr"] == pytest.approx(5.0)  # only sample 0 has o^0 = (0, 4): |1| + |0 - 4| = 5
     assert loss.item() == pytest.approx(math.log(3) + 0.5 * rpcl + 2.0 * 5.0, rel=1e-6)
     np.testing.assert_array_equal(client.inference_bank().vectors, [[0, 4]])  # nearest consistent prototype
-    off, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.0, cpdr_weight=0.0)
+    off, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.0, cpdr_weight=0.0, cpdr_reduction="sum")
     loss, terms = off.loss(model, z, y)
     assert loss.item() == pytest.approx(math.log(3)) and terms["cpdr"] == pytest.approx(5.0)  # logged, not optimised
 
@@ -257,6 +306,41 @@ def test_client_uploads_weights_and_prototypes_with_counts():
     assert set(update.weights) == {"head.weight"}
     assert update.prototypes.class_ids.tolist() == [0, 2] and update.prototypes.counts.tolist() == [2, 1]
     np.testing.assert_allclose(update.prototypes.vectors, [[2, 0], [0, 2]])
+
+
+def test_code_variant_uploads_the_last_local_epochs_training_features():
+    """main_fedsc.py Local.local_train: local_p collects feas[i] only when tr_idx ==
+    num_epochs_local_training - 1, then average_kns: per-class means of the last epoch's training
+    features (train mode, before each step)."""
+    torch.manual_seed(0)
+    spec = tiny_spec()
+    client = ALGO.Client(ALGO.Options(), spec, 0)
+    model = tiny_model()
+    client.receive(GlobalState(version=0), model)
+    x, y = torch.randn(9, 4), torch.tensor([0, 1, 2] * 3)
+    seen_feats, seen_y = [], []
+    hook = model.projection.register_forward_hook(lambda _m, _i, out: seen_feats.append(out.detach().clone()))
+    loss = client.loss
+    client.loss = lambda m, xb, yb: (seen_y.append(yb.clone()), loss(m, xb, yb))[1]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    client.local_train(model, opt, TrainBatchIterator(x, y, 4, torch.Generator().manual_seed(0)), 3, CPU)
+    hook.remove()
+    steps = 2  # 9 samples in batches of 4: 4 + 5 (the last one-sample batch folded in)
+    last_f, last_y = torch.cat(seen_feats[-steps:]), torch.cat(seen_y[-steps:])
+    update = client.make_update(model, x, y)
+    assert update.prototypes.class_ids.tolist() == [0, 1, 2] and update.prototypes.counts.tolist() == [3, 3, 3]
+    expected = torch.stack([last_f[last_y == c].mean(0) for c in range(3)])
+    np.testing.assert_allclose(update.prototypes.vectors, expected.numpy(), rtol=1e-5, atol=1e-6)
+    every_epoch = torch.cat(seen_feats)
+    assert not np.allclose(update.prototypes.vectors, every_epoch[torch.cat(seen_y) == 0].mean(0).numpy())
+
+
+def test_update_work_has_the_eval_pass_only_in_the_paper_variant():
+    from rayfed_proto.algorithms.base import UpdateSizes
+
+    sizes = UpdateSizes(train=100, local_epochs=10, batch_size=64)
+    assert [p.backward for p in ALGO.Client.update_work(ALGO.Options(), sizes)] == [True]
+    assert [p.backward for p in ALGO.Client.update_work(ALGO.Options(variant="paper"), sizes)] == [True, False]
 
 
 # ----------------------------------------------------------------------------- server
