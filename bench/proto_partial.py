@@ -44,7 +44,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from rayfed_proto.algorithms.common import prototype_margin
+from rayfed_proto.algorithms.base import ROUND_IDS
+from rayfed_proto.algorithms.common import prototype_margin, subset
 from rayfed_proto.config import load_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.preset_files import resolve_config_arg
@@ -235,7 +236,12 @@ def run_platform(cfg, eval_every: int) -> dict[str, Any]:
             nn = sum(r["n"] for r in res)
             curve.append({"version": v, "head": sum(r["head_correct"] for r in res) / nn,
                           "proto": sum(r["proto_correct"] for r in res) / nn})
-    bank = (np.array(state.prototypes.class_ids), np.array(state.prototypes.vectors))
+    # the platform's inference bank: the broadcast bank, or only this round's classes with
+    # algorithm.inference_memory round (the sync default of FedProto since issue 35)
+    infer = state.prototypes
+    if ROUND_IDS in state.extras:
+        infer = subset(infer, state.extras[ROUND_IDS])
+    bank = (np.array(infer.class_ids), np.array(infer.vectors))
     lat = latest_uniform_bank(latest, ds.num_classes)
     clients = []
     for c, r in enumerate(runners):
