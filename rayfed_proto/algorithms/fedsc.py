@@ -115,7 +115,8 @@ class FedSCOptions(FedAvgOptions):
         if not isinstance(data, dict):
             return data
         variant = data.get("variant", cls.model_fields["variant"].default)
-        return {**VARIANT_OPTIONS.get(variant, {}), **data}
+        # an unknown or non-string variant adds nothing: validation then names the key and the values allowed
+        return {**(VARIANT_OPTIONS.get(variant, {}) if isinstance(variant, str) else {}), **data}
 
     @model_validator(mode="before")
     @classmethod
@@ -424,4 +425,5 @@ class FedSC(Algorithm):
     def defaults_for(cls, options: dict[str, Any], mode: str) -> dict[str, Any]:
         """Also the run-level defaults of the chosen ``variant`` (optimizer, participation)."""
         variant = options.get("variant", FedSCOptions.model_fields["variant"].default)
-        return {**super().defaults_for(options, mode), **VARIANT_RUN_DEFAULTS.get(variant, {})}
+        run = VARIANT_RUN_DEFAULTS.get(variant, {}) if isinstance(variant, str) else {}  # bad values: reported by validation
+        return {**super().defaults_for(options, mode), **run}

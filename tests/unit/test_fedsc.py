@@ -81,6 +81,15 @@ def test_variant_code_sets_the_authors_optimizer_and_participation():
     assert run_settings(build_config({**base, "algorithm": {"name": "fedavg"}})) == (0.01, 0.0, 0.0, 1.0)
 
 
+@pytest.mark.parametrize("bad", ["papers", ["code"], 3])
+def test_a_bad_variant_is_reported_with_the_key_and_the_values_allowed(bad):
+    from rayfed_proto.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        build_config({"algorithm": {"name": "fedsc", "variant": bad}, "model": {"group": "HtFE1"}})
+    assert "algorithm.variant" in str(err.value) and "'code'" in str(err.value) and "'paper'" in str(err.value)
+
+
 def test_presets_keep_the_paper_variant():
     from rayfed_proto.config import load_config
     from rayfed_proto.preset_files import resolve_config_arg
