@@ -98,9 +98,35 @@ def test_version_flag_prints_the_installed_version(capsys):
 def test_browse_hint_opens_a_server_and_serves_a_local_store():
     from rayfed_proto.cli import browse_hint
 
-    assert browse_hint("http://10.0.0.5:5000/", "abc123") == "open http://10.0.0.5:5000/#/runs/abc123"
+    # issue 38: links that land on the runs (model-training view), and that outlive the process that printed them
+    assert browse_hint("http://10.0.0.5:5000/", "abc123", "7") == \
+        "open http://10.0.0.5:5000/#/experiments/7/runs/abc123?workflowType=machine_learning"
     assert browse_hint("https://mlflow.example.org") == "open https://mlflow.example.org"
-    assert browse_hint("sqlite:////tmp/m.db", "abc") == "browse with: mlflow ui --backend-store-uri sqlite:////tmp/m.db"
+    assert browse_hint("sqlite:////tmp/m.db", "abc", "1") == ("browse with: rayfed-proto ui --tracking-uri sqlite:////tmp/m.db, "
+                                                             "then open http://127.0.0.1:5000/#/experiments/1/runs/abc"
+                                                             "?workflowType=machine_learning")
+
+
+def test_ui_prints_the_experiments_runs_link_in_the_model_training_view(tmp_path, capsys):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    assert main(["ui", "--tracking-uri", uri, "--no-serve"]) == 2  # no store there yet: says so, creates none
+    assert "no MLflow store at" in capsys.readouterr().err and not (tmp_path / "m.db").exists()
+    client = MlflowClient(uri)
+    mlflow.set_tracking_uri(uri)
+    first = client.create_experiment("older", artifact_location=(tmp_path / "a").as_uri())
+    client.create_run(first)
+    latest = client.create_experiment("mine", artifact_location=(tmp_path / "b").as_uri())
+    client.create_run(latest)
+    assert main(["ui", "--tracking-uri", uri, "--no-serve", "--port", "5123"]) == 0
+    out = capsys.readouterr().out
+    assert f"experiment 'mine': http://127.0.0.1:5123/#/experiments/{latest}/runs?workflowType=machine_learning" in out
+    assert main(["ui", "--tracking-uri", uri, "--no-serve", "--experiment", "older"]) == 0
+    assert f"/#/experiments/{first}/runs?workflowType=machine_learning" in capsys.readouterr().out
+    assert main(["ui", "--tracking-uri", uri, "--no-serve", "--experiment", "nope"]) == 2
+    assert "no experiment 'nope'" in capsys.readouterr().err
 
 
 def test_sweep_names_and_relative_paths_are_found_from_any_folder(tmp_path, monkeypatch):
