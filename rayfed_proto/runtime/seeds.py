@@ -547,8 +547,21 @@ def _log_summary(group: SeedGroup) -> None:
                          tags=[RunTag("mlflow.note.content", f"```\n{group.summary}\n```")])
         client.log_artifact(group.parent_run_id, str(group.output_dir / "summary.txt"))
         client.log_artifact(group.parent_run_id, str(group.output_dir / "seeds.csv"))
+        _log_curves(group, client)
     except Exception as e:  # the table is on disk and printed: the store being gone does not undo the seeds
         log.warning("could not log the seed group's summary to MLflow run %s: %s", group.parent_run_id, e)
+
+
+def _log_curves(group: SeedGroup, client) -> None:
+    """Per version, the mean and std over the finished seeds as the parent's metrics, and the banded plot."""
+    import pandas as pd
+
+    from rayfed_proto.tracking.group_metrics import log_seed_curves
+
+    folders = [group.seed_folder(s) for s in group.seeds if group.records[s].status == "finished"]
+    histories = [pd.read_parquet(f / "history.parquet") for f in folders if f is not None and (f / "history.parquet").is_file()]
+    if histories:
+        log_seed_curves(client, group.parent_run_id, histories, group.output_dir, group.name)
 
 
 def _end_parent(group: SeedGroup, status: str, tags: dict[str, str]) -> None:

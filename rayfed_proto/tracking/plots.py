@@ -192,6 +192,40 @@ def plot_client_heatmap(frame, path: str | Path, series: str = "head_acc", title
     return _save(fig, path)
 
 
+def plot_mean_std(curves: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]], path: str | Path,
+                  title: str | None = None) -> Path:
+    """Each metric's mean over runs against the server version, with a ± std band: accuracies
+    (``*_acc``) on the left axis in %, any other metric (a loss) on a right axis."""
+    fig, ax = _new_axes(8.0, 4.8)
+    other = None
+    has_data = False
+    for i, (metric, (x, mean, std)) in enumerate(curves.items()):
+        accuracy = metric.split("/")[-1].endswith("acc")
+        if not accuracy and other is None:
+            other = ax.twinx()
+            other.set_ylabel(", ".join(m for m in curves if not m.split("/")[-1].endswith("acc")))
+        target, color = (ax if accuracy else other), f"C{i % 10}"
+        xs, m, s = _finite_sorted(np.asarray(x, float), np.asarray(mean, float), np.asarray(std, float))
+        if xs.size == 0:
+            continue
+        lo, hi = (np.clip(m - s, 0.0, 1.0), np.clip(m + s, 0.0, 1.0)) if accuracy else (m - s, m + s)
+        target.plot(xs, m, color=color, linewidth=1.8, marker="o" if xs.size <= _MARKERS_UP_TO else None,
+                    markersize=3, label=f"{metric} (mean ± std)")
+        target.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+        has_data = True
+    if other is not None:
+        handles, labels = other.get_legend_handles_labels()
+        for h, label in zip(handles, labels, strict=True):
+            ax.plot([], [], color=h.get_color(), label=label)
+    ax.set_ylim(0.0, 1.01)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("server version (aggregations)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title or "Mean ± std over runs vs server version")
+    return _finish(fig, ax, path, has_data)
+
+
 def plot_prototype_margin(history: History, path: str | Path, title: str | None = None) -> Path:
     """Min and mean distance from each global guidance prototype to its nearest other-class prototype, per version."""
     v = metric_series(history, "version")
