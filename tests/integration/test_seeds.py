@@ -104,6 +104,8 @@ def test_seeds_group_stopped_resumed_and_summarised(ray_session, tracking, capsy
     assert m["seeds/finished"] == 2
     # issue 38: per version, the mean and std over the seeds (step = version), and the banded plot
     assert parent.data.tags["rfp.role"] == "parent"
+    not_parents = {r.info.run_id for r in client.search_runs([parent.info.experiment_id], "tags.rfp.role != 'parent'")}
+    assert result.run_id not in not_parents and {c.info.run_id for c in children} <= not_parents
     per_version = {s: {p.step: p.value for p in client.get_metric_history(by_seed[s].info.run_id, "eval/head_acc")}
                    for s in (0, 1)}
     mean = {p.step: p.value for p in client.get_metric_history(result.run_id, "seeds/eval/head_acc_mean")}
