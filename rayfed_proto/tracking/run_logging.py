@@ -127,13 +127,14 @@ class RunLogging:
             for c, why in clients.items():
                 model, result = ray.get(actors[actor_of[c]].export_model.remote(c, state_ref))
                 n = result["n"]
-                acc = {"test_samples": float(n)}
+                acc = {}  # its test-split size is a tag: a constant makes a one-point chart (issue 38)
                 if n:
                     acc["head_acc"] = result["head_correct"] / n
                     if result.get("proto_correct") is not None:
                         acc["proto_acc"] = result["proto_correct"] / n
                 out.append({"name": f"client_{c}", "model": model, "metrics": acc, "split": "test", "why": why,
                             "tags": {"rayfed_proto.model": "client", "client_id": c, "architecture": self.archs[c],
+                                     "test_samples": n,
                                      "algorithm": self.cfg.algorithm.name}})
         except Exception as e:  # a model that cannot be pickled must not fail a finished run
             log.warning("could not fetch the models to log to MLflow: %r", e)

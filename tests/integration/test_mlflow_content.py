@@ -131,6 +131,9 @@ def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_
         linked = client.get_logged_model(models[f"client_{c}"].model_id)
         assert any(m.key == f"model/client_{c}/head_acc" for m in linked.metrics or [])
     assert models["client_0"].tags.get("architecture") != models["client_1"].tags.get("architecture")
+    # issue 38: a constant is no chart: the test-split size is the model's tag; why it was logged, its description
+    assert models["client_0"].tags["test_samples"] == str(n[0]) and "model/client_0/test_samples" not in keys
+    assert models["client_0"].tags["mlflow.note.content"] == "client_0: tracking.log_models: all"
 
 
 def test_fedavg_default_logs_the_server_model_and_it_reproduces_global_accuracy(ray_session, tracking):
