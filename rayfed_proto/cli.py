@@ -213,10 +213,15 @@ def cmd_run(args) -> int:
     result = run_experiment(cfg, progress=progress, resume_dir=args.resume)
     print(result.summary)
     print(f"outputs: {result.output_dir}")
+    _print_run_link(result, cfg)
+    return 0
+
+
+def _print_run_link(result, cfg: ExperimentConfig) -> None:
+    """The finished run's page in the MLflow UI (model-training view), and how to serve it."""
     if result.run_id:
         print(f"MLflow: run {result.run_id} in experiment {cfg.tracking.experiment_name!r}; "
               f"{browse_hint(result.tracking_uri, result.run_id)}")
-    return 0
 
 
 def _run_methods(args, progress: bool) -> int:
@@ -249,6 +254,7 @@ def _run_methods(args, progress: bool) -> int:
         result = run_experiment(cfg, progress=progress)
         print(result.summary)
         print(f"outputs: {result.output_dir}")
+        _print_run_link(result, cfg)
     experiment = cfgs[0].tracking.experiment_name
     print(f"compare them with: rayfed-proto compare {experiment}"
           + (f" --tracking-uri {cfgs[0].tracking.tracking_uri}" if cfgs[0].tracking.tracking_uri else ""))

@@ -283,3 +283,23 @@ def test_cli_methods_runs_each_method_over_the_seeds_and_names_the_compare_comma
     assert code == 2 and "omit it with --methods" in err
     code, err = _cli(["run", "--methods", "fedproto", "fedproto", *common], capsys)
     assert code == 2 and "distinct algorithm names" in err
+
+
+def test_the_end_of_a_run_prints_its_page_in_the_model_training_view_and_how_to_serve_it(tmp_path, monkeypatch, capsys):
+    """Issue 38 item 1: a link that lands on the runs view and outlives the run."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.runtime import driver
+    from rayfed_proto.runtime.driver import RunResult
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("linked", artifact_location=(tmp_path / "a").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    monkeypatch.setattr(driver, "run_experiment",
+                        lambda cfg, **kw: RunResult(run_id, uri, tmp_path, 2, [], summary="the summary"))
+    assert main(["run", "--no-progress", "--set", f"tracking.tracking_uri={uri}"]) == 0
+    out = capsys.readouterr().out
+    assert f"MLflow: run {run_id} in experiment " in out
+    assert f"; browse with: rayfed-proto ui --tracking-uri {uri}, " \
+           f"then open http://127.0.0.1:5000/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning" in out
