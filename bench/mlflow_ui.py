@@ -66,7 +66,7 @@ class MlflowUi:
                                      start_new_session=True)
 
     def __enter__(self):
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a loaded machine: MLflow 3.17 starts its job runner first
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mlflow ui exited ({self.proc.returncode}); see {self.log.name}")
@@ -76,7 +76,7 @@ class MlflowUi:
                         return self
             except OSError:
                 time.sleep(0.5)
-        raise TimeoutError("mlflow ui did not answer within 120 s")
+        raise TimeoutError("mlflow ui did not answer within 600 s")
 
     def __exit__(self, *exc):
         import signal
@@ -185,6 +185,8 @@ def main() -> int:
     p.add_argument("--tracking-uri", help="the store of an existing run (sqlite:///...)")
     p.add_argument("--run-id", help="the run to show")
     p.add_argument("--parent-run-id", help="a sweep's parent run to show (optional)")
+    p.add_argument("--seeds-run-id", help="a seed group's parent run to show (optional)")
+    p.add_argument("--comparison-run-id", help="a comparison run (rayfed-proto compare) to show (optional)")
     p.add_argument("--out", default="bench/results/mlflow_ui", help="folder for the PNGs")
     p.add_argument("--workdir", help="--demo: where the store and runs go (default: a temporary folder)")
     p.add_argument("--chromium", help="the browser binary (default: chromium on PATH)")
@@ -205,6 +207,7 @@ def main() -> int:
         if not (args.tracking_uri and args.run_id):
             p.error("give --demo, or --tracking-uri and --run-id")
         uri, run_id, parent_id = args.tracking_uri, args.run_id, args.parent_run_id
+        seeds_id, comparison_id = args.seeds_run_id, args.comparison_run_id
 
     from mlflow.tracking import MlflowClient
 

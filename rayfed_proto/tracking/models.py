@@ -74,11 +74,12 @@ def pick_per_architecture(archs: list[str], updates: dict[int, int], accuracy: d
         best = max(members, key=score)
         n, acc = updates.get(best, 0), accuracy.get(best)
         tied = [c for c in members if updates.get(c, 0) == n]
-        rule = ("the most local updates" if len(tied) == 1 else
-                "the most local updates, and of those the best accuracy on its own test split")
+        rule = ("the only client of its architecture" if len(members) == 1 else "the most local updates"
+                if len(tied) == 1 else "the most local updates, and of those the best accuracy on its own test split")
         acc_text = f"{100 * acc:.1f} %" if acc is not None and acc == acc else "n/a"
-        chosen[best] = (f"client {best}, of the {len(members)} clients of architecture {arch}: {rule} "
-                        f"({n} local updates; final head accuracy on its own test split {acc_text})")
+        of = f"the only client of architecture {arch}" if len(members) == 1 else \
+            f"of the {len(members)} clients of architecture {arch}: {rule}"
+        chosen[best] = f"client {best}, {of} ({n} local updates; final head accuracy on its own test split {acc_text})"
     return dict(sorted(chosen.items()))
 
 

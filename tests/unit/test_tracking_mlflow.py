@@ -257,6 +257,8 @@ def test_the_model_of_an_architecture_is_a_client_that_trained_and_says_why():
     assert "most local updates, and of those the best accuracy" in chosen[4] and "5 local updates" in chosen[4]
     assert "70.0 %" in chosen[4] and "architecture cnn" in chosen[4]
     assert chosen[1].startswith("client 1, of the 2 clients of architecture resnet: the most local updates (3 ")
+    alone = pick_per_architecture(["cnn", "mlp"], {1: 2}, {1: 0.5})[1]
+    assert alone == "client 1, the only client of architecture mlp (2 local updates; final head accuracy on its own test split 50.0 %)"
     with_counts = choose_models("per_architecture", True, archs, {0: 0, 2: 1}, {})[1]
     assert list(with_counts) == [1, 2]  # resnet: no counts, lowest id
 
