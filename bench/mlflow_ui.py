@@ -100,8 +100,11 @@ def screenshot_playwright(browser, url: str, out: Path, width: int, height: int,
         except Exception:
             pass
         close = page.get_by_role("button", name="Close")  # the MLflow Assistant side panel
-        if close.count():
-            close.first.click()
+        try:
+            if close.count():
+                close.first.click(timeout=10_000)
+        except Exception:  # drawn but not clickable yet (a loaded machine): the page is taken with it
+            pass
         if search:
             box = page.get_by_placeholder(re.compile("search", re.I))
             box = box.first if box.count() else page.locator("input[placeholder]").first  # the run list filter
