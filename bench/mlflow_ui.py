@@ -118,7 +118,7 @@ def screenshot_playwright(browser, url: str, out: Path, width: int, height: int,
             except Exception:
                 print(f"  ({click!r} not found on {url})")
         time.sleep(wait_s)  # API calls and lazily drawn charts
-        page.screenshot(path=str(out))
+        page.screenshot(path=str(out), timeout=300_000)  # a page of charts on a loaded machine: minutes
     finally:
         page.close()
     print(f"{out}  <-  {url}" + (f" (filter {search!r})" if search else ""))
@@ -235,7 +235,7 @@ def main() -> int:
                    f"attributes.run_name LIKE '%{client.get_run(parent_id).info.run_name}-%'", None)]
     if seeds_id:
         sexp = client.get_run(seeds_id).info.experiment_id
-        pages += [("seeds_runs", f"#/experiments/{sexp}/runs{ml}", args.height - 400, None, None),
+        pages += [("seeds_runs", f"#/experiments/{sexp}/runs{ml}", args.height - 400, None, "Expand rows"),
                   ("seeds_parent_metrics", f"#/experiments/{sexp}/runs/{seeds_id}/model-metrics{ml}", args.height, None,
                    None)]
     if comparison_id:
