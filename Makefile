@@ -25,9 +25,8 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
 
-ui: $(STAMP)  ## browse runs written from this folder (opens on the experiment's runs, "Model training" view)
-	@echo "runs: http://127.0.0.1:5000/#/experiments/$${EXPERIMENT_ID:-1}/runs?workflowType=machine_learning"
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --host 127.0.0.1 --port 5000
+ui: $(STAMP)  ## browse runs written from this folder: prints the latest experiment's runs link ("Model training" view)
+	$(BIN)/rayfed-proto ui --tracking-uri sqlite:///$(CURDIR)/mlflow.db $(if $(EXPERIMENT),--experiment $(EXPERIMENT))
 
 bench: $(STAMP)
 	$(BIN)/python bench/utilisation.py

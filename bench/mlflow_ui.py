@@ -1,12 +1,12 @@
 """Screenshots of the MLflow UI as a person browses a finished run: run overview, model metrics,
-system metrics, the sweep's parent run and its child runs, in headless Chromium.
+system metrics, the sweep's parent run and its child runs, a seed group and a comparison, in headless Chromium.
 
 The checks of *content* are tests (tests/integration/test_mlflow_content.py, through MlflowClient);
 this script is for what a person sees. It serves the store with ``mlflow ui`` on 127.0.0.1 (a free
 port, stopped at the end) and renders each page with Debian's ``chromium`` package
 (``apt-get install -y chromium``; any Chromium or Chrome on PATH works, or pass --chromium).
 
-    python bench/mlflow_ui.py --demo --out docs/img/mlflow      # a 4-client run and a 2-trial sweep, then PNGs
+    python bench/mlflow_ui.py --demo --out docs/img/mlflow      # a 4-client run, a 2-trial sweep, 2 methods x 2 seeds
     python bench/mlflow_ui.py --tracking-uri sqlite:///mlflow.db --run-id RUN [--parent-run-id SWEEP] --out shots
 
 ``--demo`` writes its store under a temporary folder (or --workdir) so it never touches ./mlflow.db.
@@ -66,7 +66,7 @@ class MlflowUi:
                                      start_new_session=True)
 
     def __enter__(self):
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 600  # a loaded machine: MLflow 3.17 starts its job runner first
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mlflow ui exited ({self.proc.returncode}); see {self.log.name}")
@@ -76,7 +76,7 @@ class MlflowUi:
                         return self
             except OSError:
                 time.sleep(0.5)
-        raise TimeoutError("mlflow ui did not answer within 120 s")
+        raise TimeoutError("mlflow ui did not answer within 600 s")
 
     def __exit__(self, *exc):
         import signal
@@ -100,8 +100,11 @@ def screenshot_playwright(browser, url: str, out: Path, width: int, height: int,
         except Exception:
             pass
         close = page.get_by_role("button", name="Close")  # the MLflow Assistant side panel
-        if close.count():
-            close.first.click()
+        try:
+            if close.count():
+                close.first.click(timeout=10_000)
+        except Exception:  # drawn but not clickable yet (a loaded machine): the page is taken with it
+            pass
         if search:
             box = page.get_by_placeholder(re.compile("search", re.I))
             box = box.first if box.count() else page.locator("input[placeholder]").first  # the run list filter
@@ -115,7 +118,7 @@ def screenshot_playwright(browser, url: str, out: Path, width: int, height: int,
             except Exception:
                 print(f"  ({click!r} not found on {url})")
         time.sleep(wait_s)  # API calls and lazily drawn charts
-        page.screenshot(path=str(out))
+        page.screenshot(path=str(out), timeout=300_000)  # a page of charts on a loaded machine: minutes
     finally:
         page.close()
     print(f"{out}  <-  {url}" + (f" (filter {search!r})" if search else ""))
@@ -135,12 +138,16 @@ def screenshot(chromium: str, url: str, out: Path, width: int, height: int, wait
     return out
 
 
-def demo(workdir: Path) -> tuple[str, str, str]:
-    """A small finished run and a 2-trial sweep in ``workdir``: (store uri, run id, sweep parent run id)."""
+def demo(workdir: Path) -> tuple[str, str, str, str | None, str | None]:
+    """In ``workdir``: a small finished run and a 2-trial sweep (experiment ``mlflow_ui_demo``), and two
+    methods x two seeds with their comparison (experiment ``mlflow_ui_seeds``): (store uri, run id, sweep
+    parent run id, a seed group's parent run id, the comparison run id)."""
     import ray
 
     from rayfed_proto.config import build_config
     from rayfed_proto.runtime.driver import run_experiment
+    from rayfed_proto.runtime.seeds import run_seeds
+    from rayfed_proto.tracking.compare import compare, log_comparison, write_outputs
     from rayfed_proto.tuning.spec import parse_sweep
     from rayfed_proto.tuning.sweep import run_sweep
 
@@ -161,9 +168,18 @@ def demo(workdir: Path) -> tuple[str, str, str]:
                                                 "client_actors": 2},
                             "storage_path": str(workdir / "tune")}, "demo.yaml", workdir)
         sweep = run_sweep(spec, verbose=0, echo=print)
+        seeds_parent, comparison = None, None
+        seeds_base = {**sweep_base, "tracking": {**sweep_base["tracking"], "experiment_name": "mlflow_ui_seeds",
+                                                 "log_models": "none"}}
+        for method in ("fedproto", "fedsa"):
+            group = run_seeds(build_config({**seeds_base, "algorithm": {"name": method}}), [0, 1], progress=False,
+                              echo=print)
+            seeds_parent = seeds_parent or group.parent_run_id
+        comp = compare(["mlflow_ui_seeds"], tracking_uri=uri)
+        comparison = log_comparison(comp, write_outputs(comp, workdir / "compare"))
     finally:
         ray.shutdown()
-    return uri, result.run_id, sweep.parent_run_id
+    return uri, result.run_id, sweep.parent_run_id, seeds_parent, comparison
 
 
 def main() -> int:
@@ -172,6 +188,8 @@ def main() -> int:
     p.add_argument("--tracking-uri", help="the store of an existing run (sqlite:///...)")
     p.add_argument("--run-id", help="the run to show")
     p.add_argument("--parent-run-id", help="a sweep's parent run to show (optional)")
+    p.add_argument("--seeds-run-id", help="a seed group's parent run to show (optional)")
+    p.add_argument("--comparison-run-id", help="a comparison run (rayfed-proto compare) to show (optional)")
     p.add_argument("--out", default="bench/results/mlflow_ui", help="folder for the PNGs")
     p.add_argument("--workdir", help="--demo: where the store and runs go (default: a temporary folder)")
     p.add_argument("--chromium", help="the browser binary (default: chromium on PATH)")
@@ -185,32 +203,45 @@ def main() -> int:
     chromium = find_chromium(args.chromium)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="rayfed_mlflow_ui_")).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
+    seeds_id = comparison_id = None
     if args.demo:
-        uri, run_id, parent_id = demo(workdir)
+        uri, run_id, parent_id, seeds_id, comparison_id = demo(workdir)
     else:
         if not (args.tracking_uri and args.run_id):
             p.error("give --demo, or --tracking-uri and --run-id")
         uri, run_id, parent_id = args.tracking_uri, args.run_id, args.parent_run_id
+        seeds_id, comparison_id = args.seeds_run_id, args.comparison_run_id
 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     exp = client.get_run(run_id).info.experiment_id
     out = Path(args.out)
+    # every link as `rayfed-proto ui` and the end of a run print it: the model-training view (tracking/links.py)
+    ml = "?workflowType=machine_learning"
     run_page = f"#/experiments/{exp}/runs/{run_id}"
-    ml = "?workflowType=machine_learning"  # MLflow 3's UI opens on its GenAI view otherwise (docs/quickstart.md)
     pages = [("experiment_runs", f"#/experiments/{exp}/runs{ml}", args.height - 400, None, None),
-             ("run_overview", run_page, args.height + 900, None, None),
-             ("run_model_metrics_opened", f"{run_page}/model-metrics", args.height + 300, None, None),
-             ("run_model_metrics", f"{run_page}/model-metrics", args.height + 300, "eval/", None),
-             ("run_model_metrics_clients", f"{run_page}/model-metrics", args.height, "zz_client/", None),
-             ("run_system_metrics", f"{run_page}/system-metrics", args.height, None, None),
-             ("experiment_models", f"#/experiments/{exp}/models", args.height - 400, None, None)]
+             ("run_overview", f"{run_page}{ml}", args.height + 900, None, None),
+             ("run_model_metrics_opened", f"{run_page}/model-metrics{ml}", args.height + 300, None, None),
+             ("run_model_metrics", f"{run_page}/model-metrics{ml}", args.height + 300, "eval/", None),
+             ("run_client_heatmap", f"{run_page}/artifacts/plots/client_head_acc_heatmap.png{ml}", args.height - 300,
+              None, None),
+             ("run_system_metrics", f"{run_page}/system-metrics{ml}", args.height, None, None),
+             ("experiment_models", f"#/experiments/{exp}/models{ml}", args.height - 400, None, None)]
     if parent_id:
         pexp = client.get_run(parent_id).info.experiment_id
-        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}", args.height, None, None),
+        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}{ml}", args.height, None, None),
                   ("sweep_runs", f"#/experiments/{pexp}/runs{ml}", args.height - 400,  # trial names end <sweep>-<id>
                    f"attributes.run_name LIKE '%{client.get_run(parent_id).info.run_name}-%'", None)]
+    if seeds_id:
+        sexp = client.get_run(seeds_id).info.experiment_id
+        pages += [("seeds_runs", f"#/experiments/{sexp}/runs{ml}", args.height - 400, None, "Expand rows"),
+                  ("seeds_parent_metrics", f"#/experiments/{sexp}/runs/{seeds_id}/model-metrics{ml}", args.height, None,
+                   None)]
+    if comparison_id:
+        cexp = client.get_run(comparison_id).info.experiment_id
+        pages += [("compare_run_metrics", f"#/experiments/{cexp}/runs/{comparison_id}/model-metrics{ml}", args.height,
+                   None, None)]
     if args.only:
         pages = [pg for pg in pages if pg[0] in args.only]
     try:

@@ -101,12 +101,72 @@ def package_version() -> str:
         return rayfed_proto.__version__
 
 
-def browse_hint(tracking_uri: str, run_id: Optional[str] = None) -> str:
-    """How to look at a run: the page to open on a tracking server (``http(s)://``; the UI's
-    ``#/runs/<id>`` route leads to the run's page), else the ``mlflow ui`` command that serves the store."""
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"open {tracking_uri.rstrip('/')}" + (f"/#/runs/{run_id}" if run_id else "")
-    return f"browse with: mlflow ui --backend-store-uri {tracking_uri}"
+def browse_hint(tracking_uri: str, run_id: Optional[str] = None, experiment_id: Optional[str] = None) -> str:
+    """How to look at a run: its page on a tracking server, else the ``rayfed-proto ui`` command
+    that serves the store and the page to open (both in the model-training view: tracking/links.py)."""
+    from rayfed_proto.tracking.links import browse_hint as hint
+
+    return hint(tracking_uri, run_id, experiment_id)
+
+
+def cmd_ui(args) -> int:
+    """Serve the store with ``mlflow ui`` and print (``--open``: open) the experiment's runs, in the
+    model-training view; on a tracking server (http) only the link."""
+    import subprocess
+    import time
+    import urllib.request
+
+    from rayfed_proto.tracking import links
+
+    uri = _ui_store(args.tracking_uri)
+    experiment = links.find_experiment(uri, args.experiment)
+    if args.experiment and experiment is None:
+        raise InputError(f"no experiment {args.experiment!r} in {uri}; omit --experiment for the latest one, or pass "
+                         "the name a run logged to (tracking.experiment_name)")
+    base = uri.rstrip("/") if links.is_server(uri) else links.ui_base(args.host, args.port)
+    link = links.experiment_url(base, experiment.experiment_id) if experiment else f"{base}/#/experiments?{links.ML_VIEW}"
+    what = f"experiment {experiment.name!r}" if experiment else "the experiments (none holds a run yet)"
+    print(f"MLflow UI, {what}: {link}")
+    print("(links carry ?workflowType=machine_learning; elsewhere, the sidebar switch 'Model training' keeps the "
+          "UI on runs for this browser)", flush=True)
+    if links.is_server(uri) or args.no_serve:
+        if args.open:
+            _open_browser(link)
+        return 0
+    proc = subprocess.Popen(links.ui_server_command(uri, args.host, args.port))
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        if proc.poll() is None and args.open:
+            _open_browser(link)
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait(timeout=15)
+        return 130
+
+
+def _ui_store(tracking_uri: Optional[str]) -> str:
+    """The store ``rayfed-proto ui`` serves, resolved as ``run`` resolves it; a sqlite file must exist."""
+    from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise InputError(f"no MLflow store at {uri[len('sqlite:///'):]} (--tracking-uri {tracking_uri or '<default>'}); "
+                         "pass the store a run logged to (printed at its end), or run an experiment from this folder first")
+    return uri
+
+
+def _open_browser(link: str) -> None:
+    import webbrowser
+
+    if not webbrowser.open(link):
+        print(f"no browser to open here; open {link} yourself", file=sys.stderr)
 
 
 def cmd_run(args) -> int:
@@ -153,10 +213,15 @@ def cmd_run(args) -> int:
     result = run_experiment(cfg, progress=progress, resume_dir=args.resume)
     print(result.summary)
     print(f"outputs: {result.output_dir}")
+    _print_run_link(result, cfg)
+    return 0
+
+
+def _print_run_link(result, cfg: ExperimentConfig) -> None:
+    """The finished run's page in the MLflow UI (model-training view), and how to serve it."""
     if result.run_id:
         print(f"MLflow: run {result.run_id} in experiment {cfg.tracking.experiment_name!r}; "
               f"{browse_hint(result.tracking_uri, result.run_id)}")
-    return 0
 
 
 def _run_methods(args, progress: bool) -> int:
@@ -189,6 +254,7 @@ def _run_methods(args, progress: bool) -> int:
         result = run_experiment(cfg, progress=progress)
         print(result.summary)
         print(f"outputs: {result.output_dir}")
+        _print_run_link(result, cfg)
     experiment = cfgs[0].tracking.experiment_name
     print(f"compare them with: rayfed-proto compare {experiment}"
           + (f" --tracking-uri {cfgs[0].tracking.tracking_uri}" if cfgs[0].tracking.tracking_uri else ""))
@@ -256,8 +322,7 @@ def cmd_tune(args) -> int:
                        best_out=Path(args.best_out) if args.best_out else None, verbose=0 if args.quiet else 1)
     print(f"sweep folder: {result.experiment_path}")
     if result.parent_run_id:
-        print(f"MLflow: parent run {result.parent_run_id}; browse with: mlflow ui --backend-store-uri {result.tracking_uri}"
-              if not result.tracking_uri.startswith("http") else f"MLflow: parent run {result.parent_run_id} at {result.tracking_uri}")
+        print(f"MLflow: parent run {result.parent_run_id}; {browse_hint(result.tracking_uri, result.parent_run_id)}")
     if result.interrupted:
         return 130
     return 1 if result.num_errors and result.num_errors == len(result.ranked) else 0
@@ -274,9 +339,8 @@ def cmd_compare(args) -> int:
     print(f"\nfiles in {out}: {', '.join(p.name for p in files.values())}")
     if not args.no_log:
         run_id = log_comparison(comp, files, args.experiment_name)
-        where = (f"at {comp.tracking_uri}" if comp.tracking_uri.startswith("http")
-                 else f"browse with: mlflow ui --backend-store-uri {comp.tracking_uri}")
-        print(f"MLflow: comparison run {run_id} in experiment {args.experiment_name!r}; {where}")
+        print(f"MLflow: comparison run {run_id} in experiment {args.experiment_name!r}; "
+              f"{browse_hint(comp.tracking_uri, run_id)}")
     return 0
 
 
@@ -322,6 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true", help="validate the sweep file (every trial's config) and exit")
     p.add_argument("--quiet", action="store_true", help="no Tune progress tables")
     p.set_defaults(func=cmd_tune)
+    p = sub.add_parser("ui", help="serve the MLflow UI on the runs' store and print (or open) the experiment's runs")
+    p.add_argument("--tracking-uri", help="MLflow store: sqlite:///path.db, a folder, or http(s)://server (default: "
+                                          "$MLFLOW_TRACKING_URI, else ./mlflow.db, as for run)")
+    p.add_argument("--experiment", help="the experiment to open (default: the one with the latest runs)")
+    p.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=5000, help="port to serve on (default 5000)")
+    p.add_argument("--open", action="store_true", help="open the link in a browser once the UI answers")
+    p.add_argument("--no-serve", action="store_true", help="print the link only (the UI already runs)")
+    p.set_defaults(func=cmd_ui)
     p = sub.add_parser("compare", help="compare methods over seeds: mean ± std table, plots and a comparison run from MLflow")
     p.add_argument("experiments", nargs="+", metavar="EXPERIMENT", help="MLflow experiment name(s) whose runs are compared")
     p.add_argument("--tracking-uri", help="MLflow store: sqlite:///path.db, a folder, or http(s)://server "

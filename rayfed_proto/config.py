@@ -284,8 +284,12 @@ class TrackingConfig(_Section):
     log_models: Literal["auto", "none", "server", "per_architecture", "all"] = Field(
         "auto", description="models logged with mlflow.pytorch.log_model at the end of the run; auto: the server's "
                             "model when the method has one, otherwise one client per architecture")
+    per_client_metrics: bool = Field(
+        False, description="log each client's series as MLflow metrics zz_client/<series>/client_<id> (one chart per "
+                           "client); off: they are in client_history.parquet and two plots only")
     client_series_limit: int = Field(
-        100, ge=0, description="up to this many clients, every client gets zz_client/<series>/client_<id> series; above, a seeded sample")
+        100, ge=0, description="with per_client_metrics: up to this many clients, every client gets "
+                               "zz_client/<series>/client_<id> series; above, a seeded sample")
     client_series_sample: int = Field(
         20, ge=0, description="above client_series_limit: clients in the seeded sample (plus the final worst and best)")
     system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, GPU) of the driver process")

@@ -568,7 +568,8 @@ def _finish(run: _Run, final_version: int) -> RunResult:
     _log_time_to_target(run, final_version)
     placements = _log_actor_memory(run, final_version)
     bank = ray.get(scheduler.server.guidance_bank.remote())
-    models = run.run_log.collect_models(scheduler.server, scheduler.actors, run.groups, scheduler.global_ref)
+    models = run.run_log.collect_models(scheduler.server, scheduler.actors, run.groups, scheduler.global_ref,
+                                        updates=dict(scheduler.stats.client_updates))
     _release_actors(run)  # done with them: their memory is free before the artifacts, plots and models are written
     _write_final_artifacts(run.out, tracker, run.history, bank, run.class_names, cfg)
     _write_participation(run)
@@ -586,7 +587,7 @@ def _finish(run: _Run, final_version: int) -> RunResult:
     })
     (run.out / "summary.txt").write_text(summary + "\n")
     tracker.log_artifact(run.out / "summary.txt")
-    run.run_log.finish(final_version, summary, models)
+    run.run_log.finish(final_version, summary, models, out=run.out)
     runfolder.mark_finished(run.out, final_version, run.run_id)
     tracker.delete_tags(("stopped", "resume_from", "failure_reason"))  # left by an earlier stop: no longer true
     return RunResult(run.run_id, tracker.uri, run.out, final_version, run.history, run.plan.as_dict(), placements, summary,

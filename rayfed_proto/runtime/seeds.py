@@ -17,8 +17,8 @@ interrupted or failed one is resumed from its run folder's checkpoint (started a
 none), a seed not started yet runs.
 
 The parent run's params are the shared config (``seed`` left out, ``seeds`` added), its tag
-``rayfed_proto.seeds`` lists the seeds; each seed's run is named ``<name>-seed-<s>`` and nested by
-the tag ``mlflow.parentRunId`` (set by the tracker from ``tracking.parent_run_id``, as for a
+``rayfed_proto.seeds`` lists the seeds, its tag ``rfp.role`` is ``parent``; each seed's run is named
+``seed=<s> <algorithm> <dataset>`` (what differs first) and nested by the tag ``mlflow.parentRunId`` (set by the tracker from ``tracking.parent_run_id``, as for a
 sweep's trials). The parent's metrics are ``seeds/<column>_mean`` and ``seeds/<column>_std``
 (``seeds/eval/head_acc_final_mean``...) and ``seeds/finished``; its description and artifacts
 hold the table. The parent ends FINISHED when every seed finished, KILLED when the group was
@@ -167,7 +167,7 @@ class SeedGroup:
         raw = copy.deepcopy(shared.to_dict())
         raw["seed"] = seed
         set_dotted(raw, "tracking.output_dir", str(self.output_dir / f"seed-{seed}"))
-        set_dotted(raw, "tracking.run_name", f"{_base_name(shared)}-seed-{seed}")
+        set_dotted(raw, "tracking.run_name", seed_run_name(shared, seed))
         if self.parent_run_id:
             set_dotted(raw, "tracking.parent_run_id", self.parent_run_id)
         if shared.checkpoint.dir:  # one store per seed, or the seeds would share checkpoints
@@ -186,6 +186,12 @@ class SeedGroup:
 
 def _base_name(cfg: ExperimentConfig) -> str:
     return cfg.tracking.run_name or f"{cfg.algorithm.name}-{cfg.data.name}"
+
+
+def seed_run_name(cfg: ExperimentConfig, seed: int) -> str:
+    """A seed's run name, what differs first (the run list cuts names short): ``seed=1 fedsa digits``
+    (``seed=1 <tracking.run_name>`` when set)."""
+    return f"seed={seed} {cfg.tracking.run_name or f'{cfg.algorithm.name} {cfg.data.name}'}"[:250]
 
 
 def _seeds_label(seeds: list[int]) -> str:
@@ -478,7 +484,7 @@ def _start_parent(group: SeedGroup, shared: ExperimentConfig) -> str:
     from mlflow.entities import Param
 
     from rayfed_proto.tracking.metric_names import SCHEMA_TAG, SCHEMA_VERSION
-    from rayfed_proto.tracking.mlflow_tracker import run_tags
+    from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
 
     mlflow.set_tracking_uri(group.tracking_uri)
     try:
@@ -489,7 +495,7 @@ def _start_parent(group: SeedGroup, shared: ExperimentConfig) -> str:
         experiment = mlflow.set_experiment(group.experiment_name)
     tags = {**run_tags(), SCHEMA_TAG: SCHEMA_VERSION, SEEDS_TAG: ",".join(map(str, group.seeds)),
             GROUP_TAG: str(group.output_dir), "algorithm": shared.algorithm.name, "dataset": shared.data.name,
-            "mode": shared.federation.mode, "model_group": shared.model.group}
+            "mode": shared.federation.mode, "model_group": shared.model.group, ROLE_TAG: "parent"}
     if shared.tracking.parent_run_id:  # the group itself nested under a run the user named
         tags["mlflow.parentRunId"] = shared.tracking.parent_run_id
     client = _client(group)
@@ -541,8 +547,21 @@ def _log_summary(group: SeedGroup) -> None:
                          tags=[RunTag("mlflow.note.content", f"```\n{group.summary}\n```")])
         client.log_artifact(group.parent_run_id, str(group.output_dir / "summary.txt"))
         client.log_artifact(group.parent_run_id, str(group.output_dir / "seeds.csv"))
+        _log_curves(group, client)
     except Exception as e:  # the table is on disk and printed: the store being gone does not undo the seeds
         log.warning("could not log the seed group's summary to MLflow run %s: %s", group.parent_run_id, e)
+
+
+def _log_curves(group: SeedGroup, client) -> None:
+    """Per version, the mean and std over the finished seeds as the parent's metrics, and the banded plot."""
+    import pandas as pd
+
+    from rayfed_proto.tracking.group_metrics import log_seed_curves
+
+    folders = [group.seed_folder(s) for s in group.seeds if group.records[s].status == "finished"]
+    histories = [pd.read_parquet(f / "history.parquet") for f in folders if f is not None and (f / "history.parquet").is_file()]
+    if histories:
+        log_seed_curves(client, group.parent_run_id, histories, group.output_dir, group.name)
 
 
 def _end_parent(group: SeedGroup, status: str, tags: dict[str, str]) -> None:

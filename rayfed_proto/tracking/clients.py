@@ -83,6 +83,29 @@ class ClientSeries:
                         f"worst {worst} and best {best} by final head accuracy")
 
 
+class ClientHistory:
+    """Every client's :func:`client_row` at every evaluation, as one frame (``version``,
+    ``client_id`` and the :data:`CLIENT_SERIES`): ``client_history.parquet``. A few floats per
+    client and evaluation, kept whether or not the series are logged as MLflow metrics."""
+
+    def __init__(self):
+        self._parts: list[pd.DataFrame] = []
+
+    def add(self, version: int, results: Sequence[dict[str, Any]]) -> None:
+        rows = [{"version": int(version), "client_id": int(r["client_id"]),
+                 **{k: v for k, v in client_row(r).items() if k in CLIENT_SERIES}} for r in results]
+        if rows:
+            self._parts.append(pd.DataFrame(rows))
+
+    def frame(self) -> pd.DataFrame:
+        columns = ["version", "client_id", *CLIENT_SERIES]
+        if not self._parts:
+            return pd.DataFrame(columns=columns)
+        frame = pd.concat(self._parts, ignore_index=True)
+        return frame.reindex(columns=[c for c in columns if c in frame]).sort_values(["version", "client_id"],
+                                                                                     ignore_index=True)
+
+
 def test_samples_param(test_sizes: Sequence[int]) -> str:
     """The run parameter ``client.test_samples``: each client's test-split size, by client id
     (``[30, 28, ...]``); MLflow caps a param at 6000 characters, so a longer list ends in ``...``

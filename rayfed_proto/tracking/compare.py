@@ -642,7 +642,8 @@ def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: st
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from rayfed_proto.tracking.mlflow_tracker import run_tags
+    from rayfed_proto.tracking.group_metrics import log_points
+    from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
 
     client = MlflowClient(comp.tracking_uri)
     exp = client.get_experiment_by_name(experiment_name)
@@ -656,7 +657,7 @@ def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: st
             exp_id = exp.experiment_id
     else:
         exp_id = exp.experiment_id
-    tags = {**run_tags(), COMPARE_TAG: "1", "rayfed_proto.compare.experiments": ", ".join(comp.experiments)[:5000],
+    tags = {**run_tags(), ROLE_TAG: "comparison", COMPARE_TAG: "1", "rayfed_proto.compare.experiments": ", ".join(comp.experiments)[:5000],
             "rayfed_proto.compare.metric": comp.metric, "mlflow.note.content": comp.markdown()[:60000]}
     run = client.create_run(exp_id, tags=tags, run_name=f"compare {' '.join(comp.experiments)}"[:250])
     run_id = run.info.run_id
@@ -669,11 +670,25 @@ def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: st
         for key, p in files.items():
             client.log_artifact(run_id, str(p), "plots" if key.startswith("plot") else None)
         client.log_table(run_id, pd.DataFrame(comp.rows()), "tables/comparison.json")
+        log_points(client, run_id, comparison_points(comp))
     except BaseException:
         client.set_terminated(run_id, "FAILED")
         raise
     client.set_terminated(run_id, "FINISHED")
     return run_id
+
+
+def comparison_points(comp: Comparison) -> list[tuple[str, float, int]]:
+    """(key, value, step) of each group's mean and std of the compared metric per version:
+    ``<group label>/<metric>_mean`` (``fedsa/eval/head_acc_mean``), step = version."""
+    from rayfed_proto.tracking.group_metrics import curve_points, key_part
+
+    points = []
+    for g in comp.groups:
+        curve = group_curve(g, "version")
+        if curve is not None:
+            points += curve_points(key_part(g.label), comp.metric, curve[:3])
+    return points
 
 
 def default_out_dir() -> Path:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayfed_proto.config import TrackingConfig
-from rayfed_proto.tracking.metric_names import EVAL_HEAD_ACC, SCHEMA_TAG, SCHEMA_VERSION, is_name
+from rayfed_proto.tracking.metric_names import COUNTERS, EVAL_HEAD_ACC, SCHEMA_TAG, SCHEMA_VERSION, is_name
 
 log = logging.getLogger("rayfed_proto")
 
@@ -42,21 +42,20 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
     return uri
 
 
+ROLE_TAG = "rfp.role"  # parent (a seed group's or a sweep's), child (a seed's or a trial's run), run, comparison
+ROLES = ("parent", "child", "run", "comparison")
 EXPERIMENT_KIND = "custom_model_development"  # experiment tag mlflow.experimentKind: not a GenAI experiment
 # config keys that differ per run by construction: logged as run tags, not params
 BOOKKEEPING_PARAMS = ("tracking.output_dir", "tracking.run_name", "tracking.parent_run_id", "tracking.tracking_uri",
                       "checkpoint.dir")
-_MISSING_LOOKING = {"nan", "inf", "-inf", "none", "null", ""}
 
 
 def param_text(value: Any) -> str:
-    """A param's value as MLflow shows it (at most 6000 characters). A *string* that reads like a
-    missing number (``faults.corrupt_kind = nan``: corrupt updates with NaN) is quoted, ``'nan'``,
-    so it is not taken for an unset value; ``None`` is ``None``, a float NaN ``nan``."""
+    """A param's value as MLflow shows it (at most 6000 characters): ``None`` is ``None``, a string
+    as written (``faults.corrupt_kind = nan``, the kind of corruption, not a missing value: quoting
+    it showed ``'nan'`` in every run, issue 38)."""
     if value is None:
         return "None"
-    if isinstance(value, str) and value.strip().lower() in _MISSING_LOOKING:
-        return repr(value)
     return str(value)[:6000]
 
 
@@ -119,6 +118,9 @@ class MlflowTracker:
         self.parent_run_id = cfg.parent_run_id
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
+        self.counters_moved: set[str] = set()  # counters (metric_names.COUNTERS) logged since they left 0
+        self._system_metrics_pending = False  # started after the run's first metrics
+        self._resumed = False
         self.system_metrics = cfg.system_metrics
         if cfg.system_metrics:
             from mlflow.system_metrics import set_system_metrics_sampling_interval
@@ -185,6 +187,7 @@ class MlflowTracker:
             exp = self._write("set_experiment", mlflow.set_experiment, self.experiment_name)
         self.experiment_id = exp.experiment_id
         tags = {**run_tags(), **dict(tags or {}), SCHEMA_TAG: SCHEMA_VERSION}
+        tags.setdefault(ROLE_TAG, "child" if self.parent_run_id else "run")  # filter parents out: tags.rfp.role != 'parent'
         if self.parent_run_id:
             # The tag the UI nests by. Not start_run(parent_run_id=...): that requires the parent to
             # be ACTIVE and a resumed sweep's parent may be marked KILLED while its trials restart.
@@ -196,8 +199,10 @@ class MlflowTracker:
         # coordinates and the params table show what was varied, not what differs by construction
         tags.update({k: str(params[k]) for k in BOOKKEEPING_PARAMS if params.get(k) is not None})
         params = {k: v for k, v in params.items() if k not in BOOKKEEPING_PARAMS}
-        run = mlflow.start_run(run_name=self.run_name, tags=tags, nested=nested, log_system_metrics=self.system_metrics)
+        # system metrics start after the first metrics (_start_system_metrics): see there
+        run = mlflow.start_run(run_name=self.run_name, tags=tags, nested=nested, log_system_metrics=False)
         self.run_id = run.info.run_id
+        self._system_metrics_pending = self.system_metrics
         # MLflow caps a param value at 6000 characters and a batch at 100 params
         items = [(k, param_text(v)) for k, v in params.items()]
         for i in range(0, len(items), 100):
@@ -218,8 +223,9 @@ class MlflowTracker:
             from mlflow.tracking import MlflowClient
 
             self._write("set_tags", MlflowClient(self.uri).log_batch, run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
-        run = self.mlflow.start_run(run_id=run_id, log_system_metrics=self.system_metrics)
+        run = self.mlflow.start_run(run_id=run_id, log_system_metrics=False)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
+        self._system_metrics_pending, self._resumed = self.system_metrics, True
         return self.run_id
 
     def note_superseded_steps(self, after: int, key: str = EVAL_HEAD_ACC) -> list[int]:
@@ -241,14 +247,42 @@ class MlflowTracker:
         """Finite numbers only, under the names they were born with (made by
         :mod:`rayfed_proto.tracking.metric_names`; nothing is renamed here). A key that module did
         not make is logged as given, with a warning (once per key): it bypasses the table."""
-        clean = {k: float(v) for k, v in metrics.items()
-                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
+        clean = self.skip_still_zero_counters(
+            {k: float(v) for k, v in metrics.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))})
+        if not clean:
+            return
         _warn_unnamed(clean)
         with _no_schema_hint():  # a dataset not logged before (a resumed run) has its schema inferred here
             for items in _chunks(list(clean.items()), 1000):  # MLflow's batch limit
                 self._write("log_metrics", self.mlflow.log_metrics, dict(items), step=step, model_id=model_id,
                             dataset=dataset)
+        self._start_system_metrics()
         self._revive_system_metrics()
+
+    def _start_system_metrics(self) -> None:
+        """MLflow's system-metrics thread, started once the run has logged its first metrics (the
+        first evaluation: ``eval/head_acc`` first). The MLflow UI's compare page draws parallel
+        coordinates of the first metric the runs logged (``latest_metrics`` in the order written);
+        started with the run, the thread's ``system/cpu_utilization_percentage`` came first."""
+        if not self._system_metrics_pending or self.run_id is None:
+            return
+        self._system_metrics_pending = False
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+            from mlflow.tracking import fluent
+
+            monitor = SystemMetricsMonitor(self.run_id, resume_logging=self._resumed)
+            fluent.run_id_to_system_metrics_monitor[self.run_id] = monitor  # end_run finishes it
+            monitor.start()
+        except Exception as e:  # the run goes on without them
+            log.warning("could not start MLflow system metrics for run %s: %r", self.run_id, e)
+
+    def skip_still_zero_counters(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` without the counters (:data:`~rayfed_proto.tracking.metric_names.COUNTERS`)
+        that have been 0 so far: a counter's chart starts at its first non-zero value."""
+        self.counters_moved.update(k for k, v in metrics.items() if k in COUNTERS and v != 0)
+        return {k: v for k, v in metrics.items() if k not in COUNTERS or k in self.counters_moved}
 
     def log_metric_points(self, points: list[tuple[str, float, int]]) -> None:
         """(key, value, step) logged after the fact (back-filled series), keys as given."""
@@ -389,6 +423,12 @@ class NullTracker:
 
     def log_metrics(self, metrics, step, model_id=None, dataset=None):
         pass
+
+    def skip_still_zero_counters(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` without the counters (:data:`~rayfed_proto.tracking.metric_names.COUNTERS`)
+        that have been 0 so far: a counter's chart starts at its first non-zero value."""
+        self.counters_moved.update(k for k, v in metrics.items() if k in COUNTERS and v != 0)
+        return {k: v for k, v in metrics.items() if k not in COUNTERS or k in self.counters_moved}
 
     def log_metric_points(self, points):
         pass

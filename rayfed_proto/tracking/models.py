@@ -4,8 +4,14 @@
 
 * ``auto`` (default): the server's model when the method has one (FedAvg, FedProtoKD...),
   otherwise one client per architecture;
-* ``server``, ``per_architecture`` (the lowest client id of each architecture), ``all`` (every
-  client: one model per client, sized for small federations), ``none``.
+* ``server``, ``per_architecture`` (one client of each architecture: :func:`pick_per_architecture`),
+  ``all`` (every client: one model per client, sized for small federations), ``none``.
+
+The client of an architecture is one that trained: the one with the most local updates, ties
+broken by the final accuracy on its own test split, then by the lower id (never a client that was
+never picked: with partial participation the lowest id may have 0 updates and chance accuracy).
+Why it was chosen is the model's description (its ``mlflow.note.content`` tag) and its tag
+``rayfed_proto.chosen_because``.
 
 Each model is logged at the end of the run under the name ``server`` or ``client_<id>``, with an
 input example (two test images, normalised as the clients see them) so MLflow infers the
@@ -39,20 +45,42 @@ import numpy as np
 SERIALIZATION_FORMAT = "pickle"  # a real nn.Module on load; "pt2" gives a torch.fx GraphModule (module docstring)
 
 
-def choose_models(choice: str, has_server_model: bool, archs: list[str]) -> tuple[bool, list[int]]:
-    """(log the server's model, client ids to log) for ``tracking.log_models``; ``archs[i]`` is client i's."""
+def choose_models(choice: str, has_server_model: bool, archs: list[str], updates: dict[int, int] | None = None,
+                  accuracy: dict[int, float] | None = None) -> tuple[bool, dict[int, str]]:
+    """(log the server's model, {client id: why it is logged}) for ``tracking.log_models``;
+    ``archs[i]`` is client i's architecture, ``updates[i]`` its local updates in the run,
+    ``accuracy[i]`` its final head accuracy on its own test split (both may miss clients)."""
     if choice == "none":
-        return False, []
+        return False, {}
     if choice == "auto":
         choice = "server" if has_server_model else "per_architecture"
     if choice == "server":
-        return has_server_model, []
+        return has_server_model, {}
     if choice == "all":
-        return False, list(range(len(archs)))
-    first: dict[str, int] = {}
-    for c, a in enumerate(archs):
-        first.setdefault(a, c)
-    return False, sorted(first.values())
+        return False, {c: "tracking.log_models: all" for c in range(len(archs))}
+    return False, pick_per_architecture(archs, updates or {}, accuracy or {})
+
+
+def pick_per_architecture(archs: list[str], updates: dict[int, int], accuracy: dict[int, float]) -> dict[int, str]:
+    """One client per architecture, {client id: why}: the most local updates, then the best final
+    accuracy on its test split, then the lowest id."""
+    def score(c: int) -> tuple[int, float, int]:
+        acc = accuracy.get(c, float("nan"))
+        return updates.get(c, 0), acc if acc == acc else -1.0, -c
+
+    chosen: dict[int, str] = {}
+    for arch in dict.fromkeys(archs):
+        members = [c for c, a in enumerate(archs) if a == arch]
+        best = max(members, key=score)
+        n, acc = updates.get(best, 0), accuracy.get(best)
+        tied = [c for c in members if updates.get(c, 0) == n]
+        rule = ("the only client of its architecture" if len(members) == 1 else "the most local updates"
+                if len(tied) == 1 else "the most local updates, and of those the best accuracy on its own test split")
+        acc_text = f"{100 * acc:.1f} %" if acc is not None and acc == acc else "n/a"
+        of = f"the only client of architecture {arch}" if len(members) == 1 else \
+            f"of the {len(members)} clients of architecture {arch}: {rule}"
+        chosen[best] = f"client {best}, {of} ({n} local updates; final head accuracy on its own test split {acc_text})"
+    return dict(sorted(chosen.items()))
 
 
 def pip_requirements() -> list[str]:
@@ -85,13 +113,16 @@ def format_kwargs() -> dict[str, str]:
 
 
 def log_pytorch_model(tracker, model, name: str, input_example: np.ndarray, metrics: dict[str, float], step: int,
-                      dataset=None, tags: dict[str, Any] | None = None) -> str | None:
+                      dataset=None, tags: dict[str, Any] | None = None, why: str | None = None) -> str | None:
     """Log a :func:`loadable_copy` of ``model`` in the pickle format, and ``metrics`` linked to it alone
-    (``model/<name>/<key>``); returns the model id."""
+    (``model/<name>/<key>``); ``why`` (the model was chosen) is its description; returns the model id."""
     import rayfed_proto
     from rayfed_proto.tracking.metric_names import model_metric
 
-    model_id = tracker.log_model(loadable_copy(model), name, step=step, tags={k: str(v) for k, v in (tags or {}).items()},
+    tags = {k: str(v) for k, v in (tags or {}).items()}
+    if why:
+        tags.update({"mlflow.note.content": f"{name}: {why}", "rayfed_proto.chosen_because": why[:5000]})
+    model_id = tracker.log_model(loadable_copy(model), name, step=step, tags=tags,
                                  input_example=input_example, pip_requirements=pip_requirements(),
                                  code_paths=[str(Path(rayfed_proto.__file__).resolve().parent)], **format_kwargs())
     if model_id is not None and metrics:

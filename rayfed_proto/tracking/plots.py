@@ -139,9 +139,90 @@ def plot_client_updates(frame, path: str | Path, title: str | None = None) -> Pa
         ax.set_xlabel("simulated compute time of one local update (s, log scale)")
     else:
         ax.bar(frame["client_id"], frame["updates"], color="C0")
-        ax.set_xlabel("client")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # client ids: no 2.5
+        ax.set_xlabel("client id")
     ax.set_ylabel("local updates dispatched")
     ax.set_title(title or "Participation per client")
+    return _finish(fig, ax, path, has_data)
+
+
+def plot_client_series(frame, path: str | Path, series: str = "head_acc", title: str | None = None) -> Path:
+    """Every client's ``series`` (``client_history.parquet``: one row per version and client)
+    against the server version in one chart: a thin line per client and their mean in bold. What
+    ``tracking.per_client_metrics: true`` would show as one MLflow chart per client."""
+    fig, ax = _new_axes(8.0, 4.8)
+    has_data = series in frame and bool(np.isfinite(frame[series].to_numpy(float)).any())
+    if has_data:
+        wide = frame.pivot_table(index=names.VERSION, columns="client_id", values=series)
+        x = wide.index.to_numpy(float)
+        for c in wide.columns:
+            xs, ys = _finite_sorted(x, wide[c].to_numpy(float))
+            ax.plot(xs, ys, color="C0", alpha=max(0.08, min(0.6, 6.0 / max(1, len(wide.columns)))), linewidth=0.8)
+        _line(ax, x, wide.mean(axis=1).to_numpy(float), f"mean over {len(wide.columns)} clients", "C3")
+        ax.plot([], [], color="C0", alpha=0.6, linewidth=0.8, label="one client")
+    if series.endswith("_acc"):
+        ax.set_ylim(0.0, 1.01)
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("server version (aggregations)")
+    ax.set_ylabel(series.replace("_", " "))
+    ax.set_title(title or f"Per-client {series.replace('_', ' ')} vs server version")
+    return _finish(fig, ax, path, has_data)
+
+
+def plot_client_heatmap(frame, path: str | Path, series: str = "head_acc", title: str | None = None) -> Path:
+    """Clients (rows) x evaluated versions (columns), coloured by ``series``: who learns, who
+    never does, at a glance for any number of clients."""
+    has_data = series in frame and bool(np.isfinite(frame[series].to_numpy(float)).any())
+    wide = frame.pivot_table(index="client_id", columns=names.VERSION, values=series) if has_data else None
+    n_clients, n_versions = (wide.shape if wide is not None else (0, 0))
+    fig, ax = _new_axes(min(14.0, max(6.0, 0.3 * n_versions + 3.0)), min(11.0, max(3.5, 0.3 * n_clients + 1.5)))
+    ax.set_title(title or f"Per-client {series.replace('_', ' ')} ({n_clients} clients x {n_versions} evaluations)")
+    ax.set_xlabel("server version (aggregations)")
+    ax.set_ylabel("client id")
+    if wide is None:
+        return _finish(fig, ax, path, has_data=False)
+    accuracy = series.endswith("_acc")
+    image = ax.imshow(wide.to_numpy(float), aspect="auto", interpolation="nearest", cmap="viridis",
+                      vmin=0.0 if accuracy else None, vmax=1.0 if accuracy else None)
+    fig.colorbar(image, ax=ax).set_label(series.replace("_", " "))
+    cols, rows = _tick_indices(n_versions), _tick_indices(n_clients)
+    ax.set_xticks(cols, [str(int(wide.columns[j])) for j in cols], fontsize=8)
+    ax.set_yticks(rows, [str(int(wide.index[i])) for i in rows], fontsize=8)
+    return _save(fig, path)
+
+
+def plot_mean_std(curves: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]], path: str | Path,
+                  title: str | None = None) -> Path:
+    """Each metric's mean over runs against the server version, with a ± std band: accuracies
+    (``*_acc``) on the left axis in %, any other metric (a loss) on a right axis."""
+    fig, ax = _new_axes(8.0, 4.8)
+    other = None
+    has_data = False
+    for i, (metric, (x, mean, std)) in enumerate(curves.items()):
+        accuracy = metric.split("/")[-1].endswith("acc")
+        if not accuracy and other is None:
+            other = ax.twinx()
+            other.set_ylabel(", ".join(m for m in curves if not m.split("/")[-1].endswith("acc")))
+        target, color = (ax if accuracy else other), f"C{i % 10}"
+        xs, m, s = _finite_sorted(np.asarray(x, float), np.asarray(mean, float), np.asarray(std, float))
+        if xs.size == 0:
+            continue
+        lo, hi = (np.clip(m - s, 0.0, 1.0), np.clip(m + s, 0.0, 1.0)) if accuracy else (m - s, m + s)
+        target.plot(xs, m, color=color, linewidth=1.8, marker="o" if xs.size <= _MARKERS_UP_TO else None,
+                    markersize=3, label=f"{metric} (mean ± std)")
+        target.fill_between(xs, lo, hi, color=color, alpha=0.15, linewidth=0)
+        has_data = True
+    if other is not None:
+        handles, labels = other.get_legend_handles_labels()
+        for h, label in zip(handles, labels, strict=True):
+            ax.plot([], [], color=h.get_color(), label=label)
+    ax.set_ylim(0.0, 1.01)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("server version (aggregations)")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(title or "Mean ± std over runs vs server version")
     return _finish(fig, ax, path, has_data)
 
 

@@ -9,12 +9,13 @@ evaluation results, the final global state, the actor handles.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 
 from rayfed_proto.tracking import metric_names as names
-from rayfed_proto.tracking.clients import ClientSeries, client_table
+from rayfed_proto.tracking.clients import ClientHistory, ClientSeries, client_table
 
 log = logging.getLogger("rayfed_proto")
 
@@ -32,6 +33,7 @@ class RunLogging:
         self.dataset_name = str(getattr(dataset, "name", "") or cfg.data.name)  # npz/folder/hf: the file's or set's name
         self.train_counts = partition.label_counts("train")
         self.series = ClientSeries(n, cfg.tracking.client_series_limit, cfg.tracking.client_series_sample, cfg.seed)
+        self.client_history = ClientHistory()  # every client at every evaluation: client_history.parquet, two plots
         self.partition = partition
         self.inputs: Optional[tuple[list, list]] = None
         self.input_example: Optional[np.ndarray] = None
@@ -72,11 +74,15 @@ class RunLogging:
 
     # ------------------------------------------------------------------------------ evaluations
     def on_eval(self, version: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Takes the per-client results out of ``metrics`` (returned without them) and logs the
-        chosen clients' ``zz_client/<series>/client_<id>`` series at ``version``."""
+        """Takes the per-client results out of ``metrics`` (returned without them), keeps them for
+        ``client_history.parquet`` and, with ``tracking.per_client_metrics``, logs the chosen
+        clients' ``zz_client/<series>/client_<id>`` series at ``version``."""
         results = metrics.pop(names.PER_CLIENT, None)
         if results:
-            self.tracker.log_metrics(self.series.metrics(version, results), step=version)
+            self.client_history.add(version, results)
+            series = self.series.metrics(version, results)
+            if self.cfg.tracking.per_client_metrics:
+                self.tracker.log_metrics(series, step=version)
         return metrics
 
     # ------------------------------------------------------------------------------ end
@@ -94,11 +100,13 @@ class RunLogging:
                                      step=step)
             self.tracker.log_table(pd.DataFrame(rows), "tables/actor_memory.json")
 
-    def collect_models(self, server, actors, actor_clients, state_ref) -> list[dict[str, Any]]:
-        """The models ``tracking.log_models`` chooses, fetched from the server and the worker actors
-        (with each client's test accuracy), so that the actors can be released before
-        :meth:`finish` logs them: the end of a run then holds no worker in memory. A model that
-        cannot be fetched is skipped with a warning; it never fails a finished run."""
+    def collect_models(self, server, actors, actor_clients, state_ref,
+                       updates: Optional[dict[int, int]] = None) -> list[dict[str, Any]]:
+        """The models ``tracking.log_models`` chooses (``updates``: each client's local updates,
+        for choosing a client that trained), fetched from the server and the worker actors (with
+        each client's test accuracy), so that the actors can be released before :meth:`finish`
+        logs them: the end of a run then holds no worker in memory. A model that cannot be
+        fetched is skipped with a warning; it never fails a finished run."""
         import ray
 
         from rayfed_proto.tracking.models import choose_models
@@ -109,42 +117,77 @@ class RunLogging:
         out: list[dict[str, Any]] = []
         try:
             server_model, server_metrics = ray.get(server.export_model.remote())
-            with_server, clients = choose_models(choice, server_model is not None, self.archs)
+            accuracy = {c: row["head_acc"] for c, row in self.series.last.items() if "head_acc" in row}
+            with_server, clients = choose_models(choice, server_model is not None, self.archs, updates, accuracy)
             if with_server:
                 acc = {k: v for k, v in server_metrics.items() if k.startswith("global_acc")}
                 out.append({"name": "server", "model": server_model, "metrics": acc, "split": "global_test",
                             "tags": {"rayfed_proto.model": "server", "algorithm": self.cfg.algorithm.name}})
             actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
-            for c in clients:
+            for c, why in clients.items():
                 model, result = ray.get(actors[actor_of[c]].export_model.remote(c, state_ref))
                 n = result["n"]
-                acc = {"test_samples": float(n)}
+                acc = {}  # its test-split size is a tag: a constant makes a one-point chart (issue 38)
                 if n:
                     acc["head_acc"] = result["head_correct"] / n
                     if result.get("proto_correct") is not None:
                         acc["proto_acc"] = result["proto_correct"] / n
-                out.append({"name": f"client_{c}", "model": model, "metrics": acc, "split": "test",
+                out.append({"name": f"client_{c}", "model": model, "metrics": acc, "split": "test", "why": why,
                             "tags": {"rayfed_proto.model": "client", "client_id": c, "architecture": self.archs[c],
+                                     "test_samples": n,
                                      "algorithm": self.cfg.algorithm.name}})
         except Exception as e:  # a model that cannot be pickled must not fail a finished run
             log.warning("could not fetch the models to log to MLflow: %r", e)
         return out
 
-    def finish(self, step: int, summary: str, models: Optional[list[dict[str, Any]]] = None) -> None:
-        """End of a finished run: back-filled series, per-client table, the ``models`` from
-        :meth:`collect_models`, description."""
+    def finish(self, step: int, summary: str, models: Optional[list[dict[str, Any]]] = None,
+               out: Optional[Path] = None) -> None:
+        """End of a finished run: per-client history and plots (written to ``out``, the run
+        folder), back-filled series, per-client table, the ``models`` from :meth:`collect_models`,
+        description."""
+        if out is not None:
+            self._write_client_history(out)
         if not self.cfg.tracking.enabled:
             return
+        described = self._log_client_series()
+        try:
+            self.tracker.log_table(client_table(self.series.last, self.train_counts, self.class_names, self.archs),
+                                   "tables/clients.json")
+        except Exception as e:
+            log.warning("could not log the per-client table to MLflow: %r", e)
+        logged = self._log_models(step, models or [])
+        self.tracker.set_description(description(summary, described, logged))
+
+    def _write_client_history(self, out: Path) -> None:
+        """``client_history.parquet`` (one row per version and client) and its two plots, on disk
+        and as artifacts: the per-client view that stays when the series are not metrics."""
+        from rayfed_proto.tracking import plots
+
+        try:
+            frame = self.client_history.frame()
+            frame.to_parquet(out / "client_history.parquet", index=False)
+            self.tracker.log_artifact(out / "client_history.parquet")
+            for fn, name in ((plots.plot_client_series, "client_head_acc.png"),
+                             (plots.plot_client_heatmap, "client_head_acc_heatmap.png")):
+                self.tracker.log_artifact(fn(frame, out / name), "plots")
+        except Exception as e:  # never fail a finished run for its bookkeeping
+            log.warning("could not write the per-client history: %r", e)
+
+    def _log_client_series(self) -> str:
+        """With ``tracking.per_client_metrics``: the back-filled series of a sample's extremes;
+        returns (and tags) what the per-client series cover."""
+        if not self.cfg.tracking.per_client_metrics:
+            described = ("not logged as metrics (tracking.per_client_metrics: false); every client's series: "
+                         "client_history.parquet, plots/client_head_acc.png, plots/client_head_acc_heatmap.png")
+            self.tracker.set_tags({"rayfed_proto.client_series": described})
+            return described
         points, described = self.series.backfill()
         self.tracker.set_tags({"rayfed_proto.client_series": described})
         try:
             self.tracker.log_metric_points(points)
-            self.tracker.log_table(client_table(self.series.last, self.train_counts, self.class_names, self.archs),
-                                   "tables/clients.json")
         except Exception as e:
-            log.warning("could not log the per-client series / table to MLflow: %r", e)
-        logged = self._log_models(step, models or [])
-        self.tracker.set_description(description(summary, described, logged))
+            log.warning("could not log the per-client series to MLflow: %r", e)
+        return described
 
     def _log_models(self, step: int, models: list[dict[str, Any]]) -> list[str]:
         from rayfed_proto.tracking.models import log_pytorch_model
@@ -153,7 +196,7 @@ class RunLogging:
         try:
             for m in models:
                 log_pytorch_model(self.tracker, m["model"], m["name"], self.input_example, m["metrics"], step,
-                                  dataset=self._dataset(m["split"]), tags=m["tags"])
+                                  dataset=self._dataset(m["split"]), tags=m["tags"], why=m.get("why"))
                 logged.append(m["name"])
         except Exception as e:  # a model that cannot be saved must not fail a finished run
             log.warning("could not log models to MLflow: %r", e)
@@ -169,11 +212,12 @@ class RunLogging:
 def description(summary: str, client_series: str, models: list[str]) -> str:
     """The run's description (markdown): the summary table, what the per-client series cover, the models."""
     lines = ["```", summary, "```", "",
-             f"Per-client series (`{names.CLIENT_SECTION}/<series>/client_<id>`, the last sections of Model metrics; "
-             f"test-split sizes: the param `{names.CLIENT_TEST_SAMPLES_PARAM}`): {client_series}."]
+             f"Per-client series (`{names.CLIENT_SECTION}/<series>/client_<id>` with `tracking.per_client_metrics: "
+             f"true`; test-split sizes: the param `{names.CLIENT_TEST_SAMPLES_PARAM}`): {client_series}."]
     if models:
         lines.append(f"Logged models: {', '.join(models)} (load with `mlflow.pytorch.load_model('models:/<model id>')`).")
-    lines.append("Metric names: `eval/`, `train/` (the clients' local updates: `train/loss`), `server/` (the server "
+    lines.append("Charts: x = `Step` is the server version (aggregations). Counters (`reliability/`, dropped "
+                 "updates) appear once non-zero. Metric names: `eval/`, `train/` (the clients' local updates: `train/loss`), `server/` (the server "
                  f"step: an algorithm's aggregate), `federation/`, `reliability/`, `system/`, `{names.CLIENT_SECTION}/` "
                  "(every name and the old names: docs/concepts.md, \"MLflow metric names\").")
     return "\n".join(lines)

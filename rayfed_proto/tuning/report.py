@@ -82,7 +82,8 @@ def log_axis(dist: Distribution, values: list[float]) -> bool:
 def parent_description(sweep: str, metric: str, mode: str, ranked: list[dict[str, Any]], space: list[str],
                        experiment_id: Optional[str] = None) -> str:
     """The sweep parent run's description (markdown): the best child by name, run id and link,
-    its swept values and score, and the trials ranked."""
+    its swept values and score, the trials ranked (a fixed-width table in a code block: the MLflow
+    UI draws a markdown table without cell padding, so its columns ran together) and the plots."""
     scored = [r for r in ranked if _is_number(r.get(metric))]
     lines = [f"Sweep **{sweep}**: {len(ranked)} trials ranked by `{metric}` (last evaluation, {mode})."]
     if scored:
@@ -94,11 +95,81 @@ def parent_description(sweep: str, metric: str, mode: str, ranked: list[dict[str
                       f"{_fmt(best.get(metric))}. Its config: the artifact `best.yaml`."]
     else:
         lines += ["", "No trial reported the metric: no best child."]
-    lines += ["", "| rank | trial | " + " | ".join(space) + f" | {metric} | run id |",
-              "|" + "---|" * (len(space) + 4)]
-    lines += [f"| {r.get('rank')} | {r.get('trial')} | " + " | ".join(str(r.get(k)) for k in space)
-              + f" | {_fmt(r.get(metric))} | {r.get('mlflow_run_id') or ''} |" for r in ranked[:50]]
+    cols = ["rank", "trial", *space, metric, "status", "mlflow_run_id"]
+    lines += ["", "```", text_table(ranked[:50], cols), "```", "",
+              f"Plots (artifacts): `plots/parallel_coordinates.png` (the swept parameters against `{metric}`, one "
+              f"line per trial) and `plots/{metric.replace('/', '_')}_vs_params.png`. All trials: `trials.csv`."]
     return "\n".join(lines)
+
+
+def text_table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    """``rows`` as a fixed-width text table, two spaces between columns."""
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def plot_parallel_coordinates(ranked: list[dict[str, Any]], space: dict[str, Distribution], metric: str, path: Path,
+                              title: str = "") -> Path:
+    """One vertical axis per swept key and one for ``metric`` (last evaluation), a line per trial
+    coloured by ``metric``: what the MLflow UI's parallel coordinates would show, drawn here
+    because that chart opens on whichever parameters and metric sort first."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    keys = [*space, metric]
+    fig, ax = plt.subplots(figsize=(max(5.0, 2.2 * len(keys)), 4.2))
+    columns, labels = [], []
+    for key in keys:
+        values = [r.get(key) for r in ranked]
+        if key != metric and not all(_is_number(v) for v in values):  # a choice of names: evenly spaced
+            names = [str(a) for a in space[key].args] if space[key].kind in ("choice", "grid") else sorted({str(v) for v in values})
+            pos = np.array([names.index(str(v)) if str(v) in names else np.nan for v in values], float)
+            columns.append(pos / max(1, len(names) - 1))
+            labels.append((key, [(i / max(1, len(names) - 1), n) for i, n in enumerate(names)]))
+            continue
+        x = np.array([float(v) if _is_number(v) else np.nan for v in values], float)
+        log = key != metric and log_axis(space[key], [v for v in x if np.isfinite(v)])
+        t = np.log10(x) if log else x
+        lo, hi = (np.nanmin(t), np.nanmax(t)) if np.isfinite(t).any() else (0.0, 1.0)
+        columns.append((t - lo) / (hi - lo) if hi > lo else np.full_like(t, 0.5))
+        ticks = np.linspace(lo, hi, 3) if hi > lo else np.array([lo])
+        labels.append((key, [((v - lo) / (hi - lo) if hi > lo else 0.5, _fmt(float(10 ** v if log else v)))
+                             for v in ticks]))
+    score = np.array([float(r[metric]) if _is_number(r.get(metric)) else np.nan for r in ranked], float)
+    cmap = plt.get_cmap("viridis")
+    finite = score[np.isfinite(score)]
+    lo, hi = (finite.min(), finite.max()) if finite.size else (0.0, 1.0)
+    for i, r in enumerate(ranked):
+        ys = [c[i] for c in columns]
+        color = cmap((score[i] - lo) / (hi - lo) if np.isfinite(score[i]) and hi > lo else 0.5) \
+            if np.isfinite(score[i]) else "0.7"
+        ax.plot(range(len(keys)), ys, color=color, linewidth=1.6, marker="o", markersize=4,
+                linestyle="-" if np.isfinite(score[i]) else ":", label=str(r.get("trial")) if len(ranked) <= 8 else None)
+    for j, (_key, ticks) in enumerate(labels):
+        ax.axvline(j, color="0.3", linewidth=0.8)
+        for y, text in ticks:
+            ax.text(j + 0.03, y, text, fontsize=7, va="center", color="0.25")
+    ax.set_xticks(range(len(keys)), [k for k, _ in labels], fontsize=9)
+    ax.set_yticks([])
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_xlim(-0.1, len(keys) - 0.6)
+    if finite.size:
+        mappable = matplotlib.cm.ScalarMappable(norm=matplotlib.colors.Normalize(lo, hi), cmap=cmap)
+        fig.colorbar(mappable, ax=ax).set_label(metric)
+    if len(ranked) <= 8:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.12), ncol=4, frameon=False)
+    ax.set_title(title or f"Swept parameters vs {metric}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def plot_metric_vs_params(ranked: list[dict[str, Any]], space: dict[str, Distribution], metric: str, path: Path,

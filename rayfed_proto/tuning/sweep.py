@@ -23,13 +23,14 @@ import yaml
 from rayfed_proto.config import ConfigError, ConfigIssue
 from rayfed_proto.runtime.autoscale import capacity, request_if_short, withdraw_request
 from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED, sweep_best
-from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
+from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, resolve_tracking_uri
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
 from rayfed_proto.tuning.report import (
     best_config,
     format_table,
     parent_description,
     plot_metric_vs_params,
+    plot_parallel_coordinates,
     rank_trials,
     write_best_yaml,
 )
@@ -273,7 +274,8 @@ def _place(spec: Optional[SweepSpec], resume: Optional[str], tracking_uri: Optio
 def _start_parent_run(client, experiment_id: str, spec: SweepSpec, exp_path: str) -> str:
     """The sweep's parent MLflow run, with the search space and the sweep settings as params."""
     parent = client.create_run(experiment_id, run_name=spec.name,
-                               tags={"rayfed_proto.sweep": spec.name, "rayfed_proto.sweep_path": exp_path})
+                               tags={"rayfed_proto.sweep": spec.name, "rayfed_proto.sweep_path": exp_path,
+                                     ROLE_TAG: "parent"})
     params = {f"search_space.{k}": d.describe() for k, d in spec.space.items()}
     params.update({"sweep.num_samples": spec.file.num_samples, "sweep.metric": spec.file.metric,
                    "sweep.mode": spec.file.mode, "sweep.scheduler": spec.file.scheduler.name,
@@ -407,6 +409,8 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
     (local_dir / "trials.txt").write_text(table + "\n")
     plot = plot_metric_vs_params(ranked, spec.space, metric, local_dir / f"{metric.replace('/', '_')}_vs_params.png",
                                  title=spec.name)
+    parallel = plot_parallel_coordinates(ranked, spec.space, metric, local_dir / "parallel_coordinates.png",
+                                         title=spec.name)
 
     best_path = None
     scored = [r for r in ranked if isinstance(r.get(metric), (int, float)) and math.isfinite(r[metric])]
@@ -420,7 +424,7 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
         echo(f"best trial: {best['trial']} ({metric} = {best[metric]:.4f}); config written to {best_path}\n"
              f"run it with: rayfed-proto run {best_path}")
     if client is not None and parent_run_id is not None:
-        for p, sub in ((csv_path, None), (local_dir / "trials.txt", None), (plot, "plots")):
+        for p, sub in ((csv_path, None), (local_dir / "trials.txt", None), (plot, "plots"), (parallel, "plots")):
             client.log_artifact(parent_run_id, str(p), sub)
         if best_path is not None:
             client.log_artifact(parent_run_id, str(best_path))

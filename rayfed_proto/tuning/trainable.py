@@ -12,11 +12,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from rayfed_proto.config import ExperimentConfig, build_config, set_dotted
+from rayfed_proto.tuning.mlflow_server import is_loopback_uri
 from rayfed_proto.tuning.resources import TrialPlan, placement_group_factory, trial_overrides
 from rayfed_proto.tuning.spec import TrialResources
 
@@ -125,6 +127,10 @@ def make_trainable(ctx: TrialContext):
         from rayfed_proto.runtime.driver import run_experiment
 
         trial_id = tune.get_context().get_trial_id()
+        if ctx.tracking_uri and is_loopback_uri(ctx.tracking_uri):
+            # the sweep's own server lives as long as the sweep: no MLflow "View run at http://127.0.0.1:<port>"
+            # links that are dead once it ends (the sweep prints links through `rayfed-proto ui` instead)
+            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         method = trial_config(ctx, config, trial_id=trial_id)[0].algorithm.name  # swept or the base's
         run_name = trial_run_name(ctx.sweep_name, trial_id, config, ctx.space_keys, method)
         cfg, _ = trial_config(ctx, config, run_name=run_name, trial_id=trial_id)

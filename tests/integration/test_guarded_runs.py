@@ -62,7 +62,8 @@ def test_a_finished_run_is_not_rerun_but_can_be_extended_and_its_stop_tags_go(ra
     client = MlflowClient(uri)
     tags = client.get_run(done.run_id).data.tags
     assert "stopped" not in tags and "resume_from" not in tags  # it finished: those no longer hold
-    assert [s for s, _ in _points(client, done.run_id, names.RELIABILITY_CLIENT_FAILURES)] == [0, 1, 2]  # one point per step
+    assert [s for s, _ in _points(client, done.run_id, names.EVAL_HEAD_ACC)] == [0, 1, 2]  # one point per step
+    assert _points(client, done.run_id, names.RELIABILITY_CLIENT_FAILURES) == []  # a counter that stayed 0 (issue 38)
     assert checkpoint_store(build_config({}, common), out).latest().version == 2  # a checkpoint at the end
 
     with pytest.raises(InputError, match="already finished at version 2"):

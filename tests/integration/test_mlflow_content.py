@@ -5,6 +5,7 @@ import json
 
 import mlflow
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
@@ -13,7 +14,7 @@ from rayfed_proto.config import build_config
 from rayfed_proto.data import Partition, load_dataset
 from rayfed_proto.runtime.driver import run_experiment
 from rayfed_proto.tracking.clients import EXTREMES, ClientSeries
-from rayfed_proto.tracking.metric_names import SCHEMA_TAG, get_metric_history
+from rayfed_proto.tracking.metric_names import COUNTERS, SCHEMA_TAG, get_metric_history
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_
 
     uri, track = tracking
     cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.num_clients=4", "federation.rounds=2",
-                                            "tracking.log_models=all"])
+                                            "tracking.log_models=all", "tracking.per_client_metrics=true"])
     alive_at_finish = []
     finish = RunLogging.finish
 
@@ -62,9 +63,12 @@ def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_
     assert keys and all("/" in k and k.split("/", 1)[0] in SECTIONS for k in keys), sorted(keys)
     assert not any(k.startswith("resources") for k in keys)
     assert {"eval/head_acc", "eval/proto_acc", "train/loss", "train/align", "server/train_s",
-            "federation/staleness_mean", "reliability/client_failures"} <= keys
-    # the in-process history holds the very names MLflow holds (born once, never renamed)
-    assert {k for k, v in result.history[-1].items() if k != "version" and np.isfinite(v)} <= keys
+            "federation/staleness_mean"} <= keys
+    # the in-process history holds the very names MLflow holds (born once, never renamed); a counter that
+    # stayed 0 is in the history only (issue 38: no flat-zero charts)
+    last = {k for k, v in result.history[-1].items() if k != "version" and np.isfinite(v)}
+    assert last - COUNTERS <= keys and "reliability/client_failures" in last - keys
+    assert not any(k in COUNTERS and run.data.metrics[k] == 0 for k in keys)
     assert sorted(steps(client, result.run_id, "eval/head_acc")) == [0, 1, 2]
     assert run.data.params["plan.concurrency"] and "plan.client_num_cpus" in run.data.params
     assert run.data.tags[SCHEMA_TAG] == "3"
@@ -127,6 +131,9 @@ def test_sync_run_namespaced_metrics_client_series_tables_datasets_and_loadable_
         linked = client.get_logged_model(models[f"client_{c}"].model_id)
         assert any(m.key == f"model/client_{c}/head_acc" for m in linked.metrics or [])
     assert models["client_0"].tags.get("architecture") != models["client_1"].tags.get("architecture")
+    # issue 38: a constant is no chart: the test-split size is the model's tag; why it was logged, its description
+    assert models["client_0"].tags["test_samples"] == str(n[0]) and "model/client_0/test_samples" not in keys
+    assert models["client_0"].tags["mlflow.note.content"] == "client_0: tracking.log_models: all"
 
 
 def test_fedavg_default_logs_the_server_model_and_it_reproduces_global_accuracy(ray_session, tracking):
@@ -139,6 +146,13 @@ def test_fedavg_default_logs_the_server_model_and_it_reproduces_global_accuracy(
     models = {m.name: m for m in client.search_logged_models(experiment_ids=[run.info.experiment_id],
                                                              filter_string=f"source_run_id = '{result.run_id}'")}
     assert set(models) == {"server"}  # tracking.log_models=auto and FedAvg holds a model
+    # issue 38, defaults: no per-client metric, every client's series in client_history.parquet and two plots
+    assert not any(k.startswith("zz_client/") for k in run.data.metrics)
+    assert "tracking.per_client_metrics: false" in run.data.tags["rayfed_proto.client_series"]
+    artifacts = {a.path for a in client.list_artifacts(result.run_id)} | {a.path for a in client.list_artifacts(result.run_id, "plots")}
+    assert {"client_history.parquet", "plots/client_head_acc.png", "plots/client_head_acc_heatmap.png"} <= artifacts
+    per_client = pd.read_parquet(result.output_dir / "client_history.parquet")
+    assert sorted(per_client["client_id"].unique()) == [0, 1, 2] and sorted(per_client["version"].unique()) == [0, 1, 2]
     model = mlflow.pytorch.load_model(models["server"].model_uri)
     partition = Partition.load_parquet(result.output_dir / "partition.parquet")
     x, y = load_dataset(cfg.data, cfg.seed).tensors(partition.global_test_idx)
@@ -151,7 +165,8 @@ def test_large_federation_logs_a_seeded_sample_plus_worst_and_best(ray_session, 
     cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.num_clients=12",
                                             "federation.participation=0.5", "federation.rounds=2",
                                             "resources.clients_per_actor=4", "tracking.client_series_limit=6",
-                                            "tracking.client_series_sample=3", "tracking.log_models=none"])
+                                            "tracking.client_series_sample=3", "tracking.log_models=per_architecture",
+                                            "tracking.per_client_metrics=true"])
     result = run_experiment(cfg, progress=False, echo=lambda s: None)
     client = MlflowClient(uri)
     run = client.get_run(result.run_id)
@@ -169,5 +184,15 @@ def test_large_federation_logs_a_seeded_sample_plus_worst_and_best(ray_session, 
         assert sorted(m.step for m in client.get_metric_history(result.run_id, client_key(c, "head_acc"))) == [0, 1, 2]
         assert final[c] == pytest.approx(table.loc[c, "final_head_acc"])
     assert "seeded sample of 3 of 12 clients" in run.data.tags["rayfed_proto.client_series"]
-    assert not any(k.startswith("model/") for k in run.data.metrics)  # log_models=none
+    # issue 38: per architecture, a client that trained (the most updates of its architecture), and why
+    from rayfed_proto.models import arch_for_client
+
+    models = client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                         filter_string=f"source_run_id = '{result.run_id}'")
+    archs = {c: arch_for_client(cfg.model.group, c) for c in range(12)}
+    assert sorted(m.tags["architecture"] for m in models) == sorted(set(archs.values()))
+    for m in models:
+        c = int(m.name.split("_")[1])
+        assert result.client_updates.get(c, 0) == max(result.client_updates.get(o, 0) for o in archs if archs[o] == archs[c])
+        assert "the most local updates" in m.tags["mlflow.note.content"] and m.tags["rayfed_proto.chosen_because"]
 

@@ -75,7 +75,7 @@ def test_seeds_group_stopped_resumed_and_summarised(ray_session, tracking, capsy
     state = _state(group)
     assert [state["runs"][s]["status"] for s in ("0", "1")] == ["finished", "finished"]
     assert sorted(p.name for p in group.iterdir()) == [".lock", "config.yaml", "seed-0", "seed-1", "seeds.csv",
-                                                       "seeds.json", "summary.txt"]
+                                                       "seeds.json", "seeds_mean_std.png", "summary.txt"]
     assert [len(list((group / f"seed-{s}").iterdir())) for s in (0, 1)] == [1, 1]  # resumed in place, no new folders
 
     # MLflow: one parent, FINISHED, with exactly the two seed runs nested under it, each resumed in place
@@ -85,7 +85,9 @@ def test_seeds_group_stopped_resumed_and_summarised(ray_session, tracking, capsy
     by_seed = {int(c.data.params["seed"]): c for c in children}
     assert sorted(by_seed) == [0, 1] and len(children) == 2
     for seed, child in by_seed.items():
-        assert child.info.run_name == f"fedproto-digits-seed-{seed}" and child.info.status == "FINISHED"
+        # issue 38: what differs first (the run list cuts names short); children and parent told apart by a tag
+        assert child.info.run_name == f"seed={seed} fedproto digits" and child.info.status == "FINISHED"
+        assert child.data.tags["rfp.role"] == "child"
         assert child.info.run_id == state["runs"][str(seed)]["run_id"] == result.results[seed].run_id
     assert by_seed[0].info.run_id == json.loads((Path(seed0_folder) / "run.json").read_text())["run_id"]
 
@@ -100,6 +102,20 @@ def test_seeds_group_stopped_resumed_and_summarised(ray_session, tracking, capsy
     assert m["seeds/eval/proto_acc_final_mean"] == pytest.approx(np.mean(proto), abs=1e-12)
     assert m["seeds/eval/proto_acc_final_std"] == pytest.approx(np.std(proto), abs=1e-12)
     assert m["seeds/finished"] == 2
+    # issue 38: per version, the mean and std over the seeds (step = version), and the banded plot
+    assert parent.data.tags["rfp.role"] == "parent"
+    not_parents = {r.info.run_id for r in client.search_runs([parent.info.experiment_id], "tags.rfp.role != 'parent'")}
+    assert result.run_id not in not_parents and {c.info.run_id for c in children} <= not_parents
+    per_version = {s: {p.step: p.value for p in client.get_metric_history(by_seed[s].info.run_id, "eval/head_acc")}
+                   for s in (0, 1)}
+    mean = {p.step: p.value for p in client.get_metric_history(result.run_id, "seeds/eval/head_acc_mean")}
+    std = {p.step: p.value for p in client.get_metric_history(result.run_id, "seeds/eval/head_acc_std")}
+    assert sorted(mean) == sorted(std) == [0, 1, 2]
+    for v in (0, 1, 2):
+        assert mean[v] == pytest.approx(np.mean([per_version[s][v] for s in (0, 1)]), abs=1e-12)
+        assert std[v] == pytest.approx(np.std([per_version[s][v] for s in (0, 1)]), abs=1e-12)
+    assert "seeds/eval/proto_acc_mean" in m and "seeds/train/loss_std" in m
+    assert "plots/seeds_mean_std.png" in {a.path for a in client.list_artifacts(result.run_id, "plots")}
     note = parent.data.tags["mlflow.note.content"]
     assert "Seeds summary: fedproto-digits-seeds-0-1 (2 of 2 seeds finished)" in note and "| mean" in note
     assert {a.path for a in client.list_artifacts(result.run_id)} >= {"summary.txt", "seeds.csv"}

@@ -72,8 +72,16 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
     assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/trials"] == 2
     arts = {f.path for f in client.list_artifacts(result.parent_run_id)}
     assert {"trials.csv", "trials.txt", "best.yaml", "plots"} <= arts
-    assert [f.path for f in client.list_artifacts(result.parent_run_id, "plots")] == ["plots/eval_head_acc_vs_params.png"]
+    assert [f.path for f in client.list_artifacts(result.parent_run_id, "plots")] == [
+        "plots/eval_head_acc_vs_params.png", "plots/parallel_coordinates.png"]
     kids = children(client, result.parent_run_id)
+    # issue 38: parents are one filter away (tags.rfp.role != 'parent'); the compare page's parallel coordinates
+    # open on the params that differ (sorted: exactly the swept ones) and on the metric each run logged first
+    # (the system-metrics thread starts after the first evaluation)
+    assert parent.data.tags["rfp.role"] == "parent" and {k.data.tags["rfp.role"] for k in kids} == {"child"}
+    assert {p for p in set(kids[0].data.params) | set(kids[1].data.params)
+            if kids[0].data.params.get(p) != kids[1].data.params.get(p)} == {"algorithm.lam"}
+    assert [list(k.data.metrics)[0] for k in kids] == ["eval/head_acc", "eval/head_acc"]
     assert len(kids) == 2 and {k.info.run_id for k in kids} == {r["mlflow_run_id"] for r in result.ranked}
     for kid in kids:  # concurrent writers lost nothing: every version of both runs is there
         assert kid.info.status == "FINISHED"
@@ -91,6 +99,7 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
     best_id = result.ranked[0]["mlflow_run_id"]
     note = parent.data.tags["mlflow.note.content"]
     assert f"Best child run: [{best_id}](#/experiments/{parent.info.experiment_id}/runs/{best_id})" in note
+    assert "```" in note and "rank  trial" in note  # a padded text table, not a markdown one (issue 38)
     assert parent.data.tags["best.run_id"] == best_id
 
     # the best config is a runnable YAML: validate it, then run it with `rayfed-proto run`

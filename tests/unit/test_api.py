@@ -98,9 +98,35 @@ def test_version_flag_prints_the_installed_version(capsys):
 def test_browse_hint_opens_a_server_and_serves_a_local_store():
     from rayfed_proto.cli import browse_hint
 
-    assert browse_hint("http://10.0.0.5:5000/", "abc123") == "open http://10.0.0.5:5000/#/runs/abc123"
+    # issue 38: links that land on the runs (model-training view), and that outlive the process that printed them
+    assert browse_hint("http://10.0.0.5:5000/", "abc123", "7") == \
+        "open http://10.0.0.5:5000/#/experiments/7/runs/abc123?workflowType=machine_learning"
     assert browse_hint("https://mlflow.example.org") == "open https://mlflow.example.org"
-    assert browse_hint("sqlite:////tmp/m.db", "abc") == "browse with: mlflow ui --backend-store-uri sqlite:////tmp/m.db"
+    assert browse_hint("sqlite:////tmp/m.db", "abc", "1") == ("browse with: rayfed-proto ui --tracking-uri sqlite:////tmp/m.db, "
+                                                             "then open http://127.0.0.1:5000/#/experiments/1/runs/abc"
+                                                             "?workflowType=machine_learning")
+
+
+def test_ui_prints_the_experiments_runs_link_in_the_model_training_view(tmp_path, capsys):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    assert main(["ui", "--tracking-uri", uri, "--no-serve"]) == 2  # no store there yet: says so, creates none
+    assert "no MLflow store at" in capsys.readouterr().err and not (tmp_path / "m.db").exists()
+    client = MlflowClient(uri)
+    mlflow.set_tracking_uri(uri)
+    first = client.create_experiment("older", artifact_location=(tmp_path / "a").as_uri())
+    client.create_run(first)
+    latest = client.create_experiment("mine", artifact_location=(tmp_path / "b").as_uri())
+    client.create_run(latest)
+    assert main(["ui", "--tracking-uri", uri, "--no-serve", "--port", "5123"]) == 0
+    out = capsys.readouterr().out
+    assert f"experiment 'mine': http://127.0.0.1:5123/#/experiments/{latest}/runs?workflowType=machine_learning" in out
+    assert main(["ui", "--tracking-uri", uri, "--no-serve", "--experiment", "older"]) == 0
+    assert f"/#/experiments/{first}/runs?workflowType=machine_learning" in capsys.readouterr().out
+    assert main(["ui", "--tracking-uri", uri, "--no-serve", "--experiment", "nope"]) == 2
+    assert "no experiment 'nope'" in capsys.readouterr().err
 
 
 def test_sweep_names_and_relative_paths_are_found_from_any_folder(tmp_path, monkeypatch):
@@ -257,3 +283,23 @@ def test_cli_methods_runs_each_method_over_the_seeds_and_names_the_compare_comma
     assert code == 2 and "omit it with --methods" in err
     code, err = _cli(["run", "--methods", "fedproto", "fedproto", *common], capsys)
     assert code == 2 and "distinct algorithm names" in err
+
+
+def test_the_end_of_a_run_prints_its_page_in_the_model_training_view_and_how_to_serve_it(tmp_path, monkeypatch, capsys):
+    """Issue 38 item 1: a link that lands on the runs view and outlives the run."""
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.runtime import driver
+    from rayfed_proto.runtime.driver import RunResult
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("linked", artifact_location=(tmp_path / "a").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    monkeypatch.setattr(driver, "run_experiment",
+                        lambda cfg, **kw: RunResult(run_id, uri, tmp_path, 2, [], summary="the summary"))
+    assert main(["run", "--no-progress", "--set", f"tracking.tracking_uri={uri}"]) == 0
+    out = capsys.readouterr().out
+    assert f"MLflow: run {run_id} in experiment " in out
+    assert f"; browse with: rayfed-proto ui --tracking-uri {uri}, " \
+           f"then open http://127.0.0.1:5000/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning" in out

@@ -289,6 +289,15 @@ def test_cli_end_to_end_logs_a_comparison_run(store, tmp_path, capsys):
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert plots == {"plots/eval_head_acc_vs_version.png", "plots/eval_head_acc_vs_sim_time.png"}
     assert {a.path for a in client.list_artifacts(run.info.run_id, "tables")} == {"tables/comparison.json"}
+    # issue 38: each group's mean and std per version are metrics of the comparison run (step = version)
+    assert run.data.tags["rfp.role"] == "comparison"
+    assert {"fedavg/eval/head_acc_mean", "fedavg/eval/head_acc_std", "fedproto/eval/head_acc_mean"} <= set(run.data.metrics)
+    mean = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "fedavg/eval/head_acc_mean")}
+    std = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "fedavg/eval/head_acc_std")}
+    assert sorted(mean) == list(STEPS)
+    assert mean[15] == pytest.approx(sum(v[2] for v in FEDAVG.values()) / 3)
+    assert std[15] == pytest.approx(_std(*(v[2] for v in FEDAVG.values())))
+    assert "MLflow: comparison run" in printed and "workflowType=machine_learning" in printed
 
     # a comparison run is never compared itself; --no-log logs nothing more
     assert main(["compare", "cmp_a", "rayfed_proto_compare", "--tracking-uri", uri, "--out", str(tmp_path / "2"),

@@ -234,3 +234,21 @@ def test_sim_time_and_participation_plots_write_png(tmp_path: Path) -> None:
     for f in (frame, frame[["client_id", "updates"]]):
         out = plot_client_updates(f, tmp_path / f"updates{len(f.columns)}.png")
         assert out.read_bytes()[:8] == PNG_SIGNATURE and mpimg.imread(out).shape[2] in (3, 4)
+
+
+def test_per_client_series_overlay_and_heatmap(tmp_path):
+    """Issue 38: the per-client series as one overlaid plot and one heatmap (client_history.parquet)."""
+    from rayfed_proto.tracking.clients import ClientHistory
+    from rayfed_proto.tracking.plots import plot_client_heatmap, plot_client_series
+
+    history = ClientHistory()
+    for v in (0, 2, 4):
+        history.add(v, [{"client_id": c, "n": 10, "head_correct": min(10, c * v), "proto_correct": None,
+                         "train_loss": 1.0 / (v + 1)} for c in range(3)])
+    frame = history.frame()
+    assert len(frame) == 9 and "proto_acc" not in frame
+    for fn in (plot_client_series, plot_client_heatmap):
+        out = fn(frame, tmp_path / f"{fn.__name__}.png")
+        assert out.read_bytes()[:8] == PNG_SIGNATURE
+        empty = fn(ClientHistory().frame(), tmp_path / f"{fn.__name__}_empty.png")  # "no data", not an error
+        assert empty.read_bytes()[:8] == PNG_SIGNATURE

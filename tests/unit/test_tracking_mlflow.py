@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from rayfed_proto.tracking import metric_names as names
-from rayfed_proto.tracking.clients import EXTREMES, ClientSeries, client_row
+from rayfed_proto.tracking.clients import EXTREMES, ClientHistory, ClientSeries, client_row
 from rayfed_proto.tracking.metric_names import LEGACY, mlflow_key, resolve
-from rayfed_proto.tracking.models import choose_models
+from rayfed_proto.tracking.models import choose_models, pick_per_architecture
 from rayfed_proto.tracking.round_metrics import version_metrics
 from rayfed_proto.tuning.trainable import trial_run_name
 
@@ -107,9 +107,17 @@ def test_the_drivers_metric_helpers_use_the_table():
     run_log.tracker = SimpleNamespace(log_metrics=lambda metrics, step: logged.append(metrics),
                                       log_table=lambda frame, artifact_file: tables.append((artifact_file, frame)))
     run_log.series = ClientSeries(2, limit=5, sample=2, seed=0)
+    run_log.client_history = ClientHistory()
+    run_log.cfg = SimpleNamespace(tracking=SimpleNamespace(per_client_metrics=False))
     run_log.actor_memory([{"peak_rss_mib": 1.0, "pss_mib": 2.0}, {"peak_rss_mib": 3.0, "pss_mib": 4.0}], step=3)
+    rest = run_log.on_eval(2, dict(m))  # default (issue 38): per-client series kept, not logged to MLflow
+    assert len(logged) == 1 and run_log.client_history.frame()["client_id"].tolist() == [0, 1]
+    run_log.cfg.tracking.per_client_metrics = True
     rest = run_log.on_eval(3, dict(m))
     assert names.PER_CLIENT not in rest and rest == {k: v for k, v in m.items() if k != names.PER_CLIENT}
+    frame = run_log.client_history.frame()
+    assert frame[["version", "client_id"]].values.tolist() == [[2, 0], [2, 1], [3, 0], [3, 1]]
+    assert frame["head_acc"].tolist()[:2] == pytest.approx([0.8, frame["head_acc"].iloc[1]])
     # per actor: a table, not one single-point chart per actor and figure (issue 26, item 7)
     assert logged[0] == {names.SYSTEM_SERVER_PSS_MIB: 4.0}
     (path, frame), = tables
@@ -234,11 +242,25 @@ def test_client_row_without_test_samples_has_no_accuracy():
 
 def test_models_to_log():
     archs = ["cnn", "resnet", "cnn", "resnet", "vit"]
-    assert choose_models("auto", True, archs) == (True, [])
-    assert choose_models("auto", False, archs) == (False, [0, 1, 4])
-    assert choose_models("server", False, archs) == (False, [])  # nothing: the method holds no model
-    assert choose_models("all", True, archs) == (False, [0, 1, 2, 3, 4])
-    assert choose_models("none", True, archs) == (False, [])
+    assert choose_models("auto", True, archs) == (True, {})
+    assert list(choose_models("auto", False, archs)[1]) == [0, 1, 4]  # no counts: the lowest id of each
+    assert choose_models("server", False, archs) == (False, {})  # nothing: the method holds no model
+    assert list(choose_models("all", True, archs)[1]) == [0, 1, 2, 3, 4]
+    assert choose_models("none", True, archs) == (False, {})
+
+
+def test_the_model_of_an_architecture_is_a_client_that_trained_and_says_why():
+    """Issue 38: client 0 was never picked (0 updates, chance accuracy) and was the one logged."""
+    archs = ["cnn", "resnet", "cnn", "resnet", "cnn"]
+    chosen = pick_per_architecture(archs, updates={2: 5, 4: 5, 1: 3, 3: 1}, accuracy={0: 0.1, 2: 0.6, 4: 0.7, 1: 0.5})
+    assert list(chosen) == [1, 4]  # cnn: 2 and 4 tie on updates, 4 is better on its test split; resnet: 1 trained most
+    assert "most local updates, and of those the best accuracy" in chosen[4] and "5 local updates" in chosen[4]
+    assert "70.0 %" in chosen[4] and "architecture cnn" in chosen[4]
+    assert chosen[1].startswith("client 1, of the 2 clients of architecture resnet: the most local updates (3 ")
+    alone = pick_per_architecture(["cnn", "mlp"], {1: 2}, {1: 0.5})[1]
+    assert alone == "client 1, the only client of architecture mlp (2 local updates; final head accuracy on its own test split 50.0 %)"
+    with_counts = choose_models("per_architecture", True, archs, {0: 0, 2: 1}, {})[1]
+    assert list(with_counts) == [1, 2]  # resnet: no counts, lowest id
 
 
 def test_trial_run_names_lead_with_the_swept_values_then_the_method():
@@ -292,7 +314,7 @@ def test_default_run_name_and_dataset_tag_say_what_ran():
 def test_params_that_read_like_missing_values_are_quoted_and_bookkeeping_is_not_a_param():
     from rayfed_proto.tracking.mlflow_tracker import BOOKKEEPING_PARAMS, param_text
 
-    assert param_text("nan") == "'nan'" and param_text(None) == "None" and param_text(float("nan")) == "nan"
+    assert param_text("nan") == "nan" and param_text(None) == "None" and param_text(float("nan")) == "nan"
     assert param_text("sign_flip") == "sign_flip" and param_text(0.5) == "0.5"
     assert {"tracking.output_dir", "tracking.run_name"} <= set(BOOKKEEPING_PARAMS)
 
@@ -308,3 +330,34 @@ def test_sweep_plot_log_axis_and_parent_description_names_the_best_child():
               {"rank": 2, "trial": "t0", "algorithm.lam": 0.1, "eval/head_acc": 0.7, "mlflow_run_id": "def456"}]
     text = parent_description("sw", "eval/head_acc", "max", ranked, ["algorithm.lam"], "7")
     assert "Best child run: [abc123](#/experiments/7/runs/abc123)" in text and "`algorithm.lam` = 1.0" in text
+    # issue 38: the ranking is a padded text table (a markdown table ran its columns together in the UI)
+    block = text.split("```")[1].strip().splitlines()
+    assert block[0].split() == ["rank", "trial", "algorithm.lam", "eval/head_acc", "status", "mlflow_run_id"]
+    assert block[1].split() == ["1", "t1", "1", "0.8", "-", "abc123"] and "plots/parallel_coordinates.png" in text
+
+
+def test_sweep_parallel_coordinates_plot(tmp_path):
+    from rayfed_proto.tuning.report import plot_parallel_coordinates
+    from rayfed_proto.tuning.spec import Distribution
+
+    space = {"algorithm.lam": Distribution(kind="grid", args=(0.1, 1.0, 10.0)),
+             "algorithm.name": Distribution(kind="choice", args=("fedproto", "fedsa"))}
+    ranked = [{"trial": "t0", "algorithm.lam": 0.1, "algorithm.name": "fedsa", "eval/head_acc": 0.7},
+              {"trial": "t1", "algorithm.lam": 10.0, "algorithm.name": "fedproto", "eval/head_acc": None}]
+    out = plot_parallel_coordinates(ranked, space, "eval/head_acc", tmp_path / "p.png")
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_counters_are_logged_from_their_first_non_zero_value_on():
+    """Issue 38: reliability counters that stay 0 made flat-zero charts before train/loss."""
+    from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
+
+    tracker = MlflowTracker.__new__(MlflowTracker)
+    tracker.counters_moved = set()
+    first = {names.EVAL_HEAD_ACC: 0.5, names.RELIABILITY_CLIENT_FAILURES: 0.0, names.FEDERATION_UPDATES_LATE: 0.0,
+             names.FEDERATION_UPDATES_ACCEPTED: 0.0}
+    assert tracker.skip_still_zero_counters(first) == {names.EVAL_HEAD_ACC: 0.5, names.FEDERATION_UPDATES_ACCEPTED: 0.0}
+    second = {**first, names.RELIABILITY_CLIENT_FAILURES: 1.0}
+    assert names.RELIABILITY_CLIENT_FAILURES in tracker.skip_still_zero_counters(second)
+    assert tracker.skip_still_zero_counters(first)[names.RELIABILITY_CLIENT_FAILURES] == 0.0  # moved once: kept
+    assert names.FEDERATION_UPDATES_ACCEPTED not in names.COUNTERS and names.RELIABILITY_CLIENTS_NONFINITE in names.COUNTERS
