@@ -250,8 +250,8 @@ def _prepare(run: _Run, folder_locks, resume_dir) -> None:
     output and checkpoint folders; then, with Ray, the tracking store and the cluster's resources
     (a refusal there removes the fresh, still empty output folder). The run's files are written
     once the worker processes are starting."""
-    from rayfed_proto.data import Partition
     from rayfed_proto.data.datasets import dataset_warnings
+    from rayfed_proto.runtime.parking import check_park_dir
 
     cfg = run.cfg
     if resume_dir is not None:
@@ -261,7 +261,7 @@ def _prepare(run: _Run, folder_locks, resume_dir) -> None:
         folder_locks.enter_context(runfolder.RunFolderLock(run.out))  # first: a second driver is refused at once
         run.store = checkpoint_store(cfg, run.out)
         run.ckpt = resume_point(cfg, run.out, run.store)  # refuses (before Ray starts) when there is nothing to resume
-        run.partition = Partition.load_parquet(run.out / "partition.parquet")
+        run.partition = runfolder.load_partition(run.out)  # a damaged file: refused, naming it and what to do
     try:  # only the driver ever reads the data (actors take it from the object store)
         dataset = load_dataset(cfg.data, cfg.seed)
     except (ValueError, KeyError) as e:  # infeasible data for this config: the user's to fix
@@ -274,6 +274,9 @@ def _prepare(run: _Run, folder_locks, resume_dir) -> None:
     run.class_names = list(dataset.class_names)
     system = _system_model(cfg, run.partition, *run.shape)
     _check_availability(cfg, system, run.ckpt.version if run.ckpt is not None else 0)
+    if cfg.resources.address is None and cfg.resources.parks_clients(cfg.federation.num_clients) \
+            and cfg.resources.parks_on_disk(cfg.federation.num_clients):  # a local Ray: the workers' folder is this node's
+        check_park_dir(cfg.resources.park_dir)
     if run.ckpt is None:
         _new_output_folder(run, folder_locks)
     try:

@@ -336,3 +336,25 @@ def settle_orphaned_store_runs(tracking_uri: Optional[str], exclude: Iterable[st
             log.warning("could not check MLflow run %s (left RUNNING by pid %s on %s): %s", run_id,
                         tags.get(DRIVER_PID, "?"), host, e)
     return settled
+
+
+PARTITION = "partition.parquet"
+
+
+def load_partition(folder: Path):
+    """The partition a resumed run continues with (which client holds which samples), read from
+    ``folder``; an :class:`InputError` naming the file and what to do when it is missing or
+    damaged (a resume cannot draw it again: the clients' states belong to this one)."""
+    from rayfed_proto.data import Partition
+
+    path = Path(folder) / PARTITION
+    try:
+        return Partition.load_parquet(path)
+    except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError), missing columns or metadata
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        info = read_run_info(Path(folder)) or {}
+        copy = (f"; the run's MLflow run {info['run_id']} holds a copy: mlflow artifacts download --run-id "
+                f"{info['run_id']} --artifact-path {PARTITION} --dst-path {folder}" if info.get("run_id") else "")
+        raise InputError(f"cannot read {path} ({first}): a resume needs the run's partition unchanged (which client "
+                         f"holds which samples){copy}. Put the file back, or start the run afresh: rayfed-proto run "
+                         f"{Path(folder) / 'config.yaml'}") from None

@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from rayfed_proto.config import TrackingConfig
+from rayfed_proto.config import InputError, TrackingConfig
 from rayfed_proto.tracking.metric_names import EVAL_HEAD_ACC, SCHEMA_TAG, SCHEMA_VERSION, is_name
 
 log = logging.getLogger("rayfed_proto")
@@ -40,6 +40,23 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
         p = Path(uri).resolve()
         return f"sqlite:///{p / 'mlflow.db'}" if p.suffix != ".db" else f"sqlite:///{p}"
     return uri
+
+
+def check_store_scheme(uri: str, key: str = "tracking.tracking_uri") -> None:
+    """An :class:`InputError` naming ``key``, the URI and the schemes MLflow knows, when ``uri``'s
+    scheme is none of them (MLflow itself raises a bare ``KeyError`` later on)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+        from mlflow.utils.uri import get_uri_scheme
+
+        known = set(_tracking_store_registry._registry)
+        scheme = get_uri_scheme(uri)
+    except Exception:  # another MLflow: let it say what it says
+        return
+    if scheme not in known and scheme.split("+", 1)[0] not in known:
+        raise InputError(f"{key} = {uri!r}: MLflow has no tracking store for the scheme {scheme!r}; use sqlite:///path.db, "
+                         "a folder, http(s)://server, or a database URI (" + ", ".join(sorted(k for k in known if k))
+                         + "), or tracking.enabled=false")
 
 
 EXPERIMENT_KIND = "custom_model_development"  # experiment tag mlflow.experimentKind: not a GenAI experiment
@@ -102,6 +119,7 @@ class MlflowTracker:
         self.system_metrics_restarts = 0
         self.mlflow = mlflow
         self.uri = resolve_tracking_uri(cfg.tracking_uri)
+        check_store_scheme(self.uri, "tracking.tracking_uri" if cfg.tracking_uri else "$MLFLOW_TRACKING_URI")
         if self.uri.startswith("sqlite:///"):
             db = Path(self.uri[len("sqlite:///"):])
             try:
