@@ -343,6 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from rayfed_proto.data.datasets import DatasetNotFoundError
     from rayfed_proto.registry import UnknownNameError
     from rayfed_proto.runtime.progress import NoProgressError
+    from rayfed_proto.runtime.runfolder import RunFault
 
     try:
         code = args.func(args)
@@ -356,7 +357,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (InputError, DatasetNotFoundError, UnknownNameError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except NoProgressError as e:  # a fault during the run, not bad input: exit 1, with the reason
+    except (NoProgressError, RunFault) as e:  # a fault during the run, not bad input: exit 1, with the reason
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:

@@ -42,6 +42,23 @@ OUTPUT_DIR = "rayfed_proto.output_dir"
 _START_TOLERANCE_S = 1.0  # the kernel's start times, as psutil reads them, can differ by rounding
 
 
+class RunFault(RuntimeError):
+    """A file-system fault during a run (a disk that filled, a folder made unwritable): not bad
+    input, so exit 1 with the MLflow run FAILED; the message names the file and what was kept."""
+
+    @classmethod
+    def during_run(cls, error: OSError, out: Optional[Path], store) -> RunFault:
+        where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+        try:
+            latest = store.latest() if store is not None else None
+        except Exception:  # a damaged store: say nothing of it rather than hide the fault
+            latest = None
+        kept = (f"the checkpoint of version {latest.version} in {latest.path} is kept: once there is room (or the "
+                f"folder is writable again), resume with: rayfed-proto run --resume {out}" if latest is not None
+                else "there is no checkpoint to resume from")
+        return cls(f"the run failed on a file-system error{where}: {error.strerror or error}; run folder {out}; {kept}")
+
+
 class RunFolderBusy(InputError):
     """Another driver holds the run folder's lock."""
 

@@ -137,6 +137,7 @@ class MlflowTracker:
         self.parent_run_id = cfg.parent_run_id
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
+        self.resumed_status: Optional[str] = None  # a resumed run's status before this driver reopened it
         self.system_metrics = cfg.system_metrics
         if cfg.system_metrics:
             from mlflow.system_metrics import set_system_metrics_sampling_interval
@@ -227,7 +228,7 @@ class MlflowTracker:
         ``tags`` (the new driver's identity) are set before the run is RUNNING again, so that it
         is never RUNNING under the tags of the driver that died."""
         try:
-            self.mlflow.get_run(run_id)
+            self.resumed_status = self.mlflow.get_run(run_id).info.status  # a refused restore ends it so again
         except Exception as e:  # deleted run, or another tracking store
             raise FileNotFoundError(f"MLflow run {run_id} not found at {self.uri} ({e}); resume with the same "
                                     "tracking.tracking_uri as the interrupted run") from None
