@@ -356,12 +356,15 @@ def issue40_guards(tmp: Path, cfg, uri: str):
         except InputError as e:
             crafted = f"refused before Ray (exit 2): {str(e)[:70]}..."
         status = MlflowClient(uri).get_run(run_id).info.status
+        import shutil
+
+        shutil.rmtree(ckpt.path)  # the crafted version deleted, as the message says: the older one is intact
         (out / "partition.parquet").write_bytes(b"PAR1 damaged")
         try:
             run_experiment(cfg("crafted", common), resume_dir=out, **quiet)
             part = "resumed (WRONG)"
         except InputError as e:
-            part = "refused (exit 2), file named" if str(out / "partition.parquet") in str(e) else f"refused: {e}"
+            part = "refused (exit 2), file named" if str(out / "partition.parquet") in str(e) else f"refused: {e} (WRONG)"
         return (f"raw-pickle clients/0.pt: {crafted} MLflow stays {status}"
                 + ("" if status == "KILLED" else " (WRONG)") + f"; damaged partition.parquet: {part}")
 
@@ -395,7 +398,7 @@ def issue40_guards(tmp: Path, cfg, uri: str):
         return (f"refused naming the key: {', '.join(refused)}; list into a closed pipe: exit {pipe.returncode}, "
                 f"stderr {'empty' if not err else 'WITH TEXT (WRONG)'}")
 
-    yield "guard: inf, a bool, a 2**65 seed, foo:// tracking, a file as park_dir, list | head (issue 40)", \
+    yield "guard: inf, a bool, a 2**65 seed, foo:// tracking, a file as park_dir, list into a closed pipe (issue 40)", \
         "each refused before Ray naming the key (exit 2); list quietly", inputs
 
     def disk_faults():
