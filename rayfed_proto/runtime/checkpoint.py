@@ -17,9 +17,9 @@ while writing leaves a ``.tmp-`` folder that :meth:`CheckpointStore.latest` neve
 next save removes. Only the newest ``keep`` complete checkpoints are kept.
 
 Before a checkpoint is used, :meth:`CheckpointStore.latest` checks it against its manifest
-(every file present with its size; the SHA-256 of the server's, the actors' and the driver's
-files); a damaged one is skipped with a warning naming it and the next older complete one is
-used. A client state's SHA-256 is verified when the state is read (:meth:`Checkpoint.client_state`,
+(every file present, same size, same SHA-256); a damaged one is skipped with a warning naming it
+and the next older complete one is used. For a resume, the client states' checksums are left to
+the restore, which verifies each state's SHA-256 when it reads it (:meth:`Checkpoint.client_state`,
 from the same bytes it loads): a 10,000-client checkpoint holds gigabytes of client states, which
 the restore reads once anyway (issue 39, item 3: hashing them all before Ray starts, and reading
 them again to restore, was most of a resumed run's start-up).
@@ -383,17 +383,20 @@ class CheckpointStore:
                  if p.is_dir() and p.name.startswith(_PREFIX) and p.name[1:].isdigit() and (p / MANIFEST).is_file()]
         return sorted(found, key=lambda p: int(p.name[1:]))
 
-    def latest(self) -> Optional[Checkpoint]:
+    def latest(self, *, client_states: bool = True) -> Optional[Checkpoint]:
         """The newest complete checkpoint that passes :func:`verify`; a damaged newer one is
         skipped with a warning naming it. None when there is no complete checkpoint; raises
-        :class:`CheckpointError` (naming every damaged one) when there are some but none is usable."""
+        :class:`CheckpointError` (naming every damaged one) when there are some but none is usable.
+        ``client_states=False`` (a resume): the client states' checksums are left to the reads of
+        the restore (:meth:`Checkpoint.client_state`); an actor recreated during a run keeps the
+        full check, so a damaged client state there means the older checkpoint, not a failed run."""
         if self.remote is not None:
             self._fetch()
         done = self.complete()
         damaged: list[str] = []
         for folder in reversed(done):
             try:
-                manifest = verify(folder, client_states=False)  # client states: checked as each is read
+                manifest = verify(folder, client_states=client_states)
             except CheckpointError as e:
                 damaged.append(str(e))
                 log.warning("checkpoint %s is damaged and skipped: %s", folder, e)

@@ -277,7 +277,9 @@ def test_a_client_states_checksum_is_verified_when_it_is_read(tmp_path):
     data = bytearray((path / "clients" / "0.pt").read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, other content: only the checksum can tell
     (path / "clients" / "0.pt").write_bytes(bytes(data))
-    ck = store.latest()
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):  # the full check (an actor recreated in a run)
+        store.latest()
+    ck = store.latest(client_states=False)  # a resume: the client states are checked as they are read
     assert ck.version == 2
     with pytest.raises(CheckpointError, match=r"clients/0\.pt does not match its checksum") as err:
         ck.client_state(0)
@@ -293,5 +295,5 @@ def test_latest_does_not_hash_client_states(tmp_path, monkeypatch):
     hashed = []
     real = checkpoint._sha256
     monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p.name) or real(p))
-    store.latest().check_loadable()
+    store.latest(client_states=False).check_loadable()
     assert sorted(hashed) == ["actors.pt", "driver.pt", "server.pt"]
