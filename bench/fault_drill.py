@@ -274,6 +274,159 @@ def guard_scenarios(tmp: Path, rounds: int):
             return str(e).split(": ", 1)[1][:70]
 
     yield "guard: .npz images with NaN", "refused before the run (exit 2)", nan_pixels
+    yield from issue40_guards(tmp, cfg, uri)
+
+
+def _cli(args: list[str], cwd: Path, **popen):
+    import os
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-m", "rayfed_proto.cli", *args], cwd=cwd, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, **popen)
+
+
+def _sigterm_while_actors_start(tmp: Path, uri: str) -> str:
+    """The CLI with its own Ray, SIGTERM when the actors start (-v logs each start-up stage)."""
+    import signal
+    import subprocess
+
+    import psutil
+    from mlflow.tracking import MlflowClient
+
+    sets = [x for o in BASE + [f"tracking.tracking_uri={uri}", f"tracking.output_dir={tmp / 'sigterm'}",
+                               "federation.rounds=3", "tracking.system_metrics=false"] for x in ("--set", o)]
+    proc = _cli(["-v", "run", "--no-progress", *sets], tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    started, lines, sent = set(), [], False
+    for line in proc.stdout:
+        lines.append(line)
+        try:
+            started |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+        if not sent and "start-up stage: actors starting" in line:
+            proc.send_signal(signal.SIGTERM)
+            sent = True
+    proc.wait()
+    time.sleep(3)
+    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    client = MlflowClient(uri)
+    runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+            if r.data.tags.get("rayfed_proto.output_dir", "").startswith(str(tmp / "sigterm"))]
+    status = ", ".join(f"{r.info.status} ({r.data.tags.get('failure_reason', '')[:50]}...)" for r in runs) or "none"
+    traceback = any("Traceback" in x or "Exception ignored" in x for x in lines)
+    wrong = proc.returncode != 143 or alive or traceback or not sent
+    return (f"exit {proc.returncode}; MLflow {status}; processes left: {len(alive)}; traceback: "
+            f"{'yes' if traceback else 'no'}" + (" (WRONG)" if wrong else ""))
+
+
+def issue40_guards(tmp: Path, cfg, uri: str):
+    """Issue 40's cases: signals during start-up, a crafted or damaged resume, the last unchecked
+    inputs, faults that ended with a traceback or the wrong exit code."""
+    import errno
+    import hashlib
+    import pickle
+
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.config import ConfigError, InputError, build_config
+    from rayfed_proto.runtime import driver
+    from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+    from rayfed_proto.runtime.runfolder import RunFault
+
+    quiet = {"progress": False, "echo": lambda s: None}
+    yield "guard: SIGTERM while the actors start (issue 40)", \
+        "exit 143, MLflow FAILED with the reason, no process left, no traceback", lambda: _sigterm_while_actors_start(tmp, uri)
+
+    def crafted_resume():
+        common = ["federation.mode=sync", "checkpoint.every=1"]
+        try:
+            run_experiment(cfg("crafted", common + ["faults.stop_at_version=2"]), **quiet)
+        except RunInterrupted as stop:
+            out = stop.output_dir
+        ckpt = checkpoint_store(cfg("crafted", common), out).latest()
+        data = pickle.dumps({"model": "a raw pickle"})
+        (ckpt.path / "clients" / "0.pt").write_bytes(data)
+        manifest = json.loads((ckpt.path / "manifest.json").read_text())
+        manifest["files"]["clients/0.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        (ckpt.path / "manifest.json").write_text(json.dumps(manifest))
+        run_id = ckpt.manifest["run_id"]
+        try:
+            run_experiment(cfg("crafted", common), resume_dir=out, **quiet)
+            crafted = "resumed (WRONG)"
+        except InputError as e:
+            crafted = f"refused before Ray (exit 2): {str(e)[:70]}..."
+        status = MlflowClient(uri).get_run(run_id).info.status
+        import shutil
+
+        shutil.rmtree(ckpt.path)  # the crafted version deleted, as the message says: the older one is intact
+        (out / "partition.parquet").write_bytes(b"PAR1 damaged")
+        try:
+            run_experiment(cfg("crafted", common), resume_dir=out, **quiet)
+            part = "resumed (WRONG)"
+        except InputError as e:
+            part = "refused (exit 2), file named" if str(out / "partition.parquet") in str(e) else f"refused: {e} (WRONG)"
+        return (f"raw-pickle clients/0.pt: {crafted} MLflow stays {status}"
+                + ("" if status == "KILLED" else " (WRONG)") + f"; damaged partition.parquet: {part}")
+
+    yield "guard: resume of a stopped run with a raw-pickle client state, then a damaged partition (issue 40)", \
+        "refused before Ray and MLflow (exit 2), run stays KILLED; partition named", crafted_resume
+
+    def inputs():
+        refused = []
+        for key, value in (("training.lr", float("inf")), ("federation.num_clients", True), ("seed", 2**65),
+                           ("tracking.tracking_uri", "foo://bar"), ("resources.park_dir", "/etc/hostname")):
+            try:
+                c = build_config({}, BASE + [f"{key}={value}", f"tracking.output_dir={tmp / 'inputs'}",
+                                             "resources.park_to=disk"])
+                if key == "tracking.tracking_uri":
+                    from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
+
+                    MlflowTracker(c.tracking)
+                else:
+                    from rayfed_proto.runtime.parking import check_park_dir
+
+                    check_park_dir(c.resources.park_dir)
+                refused.append(f"{key} accepted (WRONG)")
+            except (ConfigError, InputError, PermissionError) as e:
+                refused.append(key if key in str(e) else f"{key} (key not named: WRONG)")
+        import subprocess
+
+        pipe = _cli(["list"], tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        pipe.stdout.close()  # the reader goes away, as head's does
+        err = pipe.stderr.read()
+        pipe.wait()
+        return (f"refused naming the key: {', '.join(refused)}; list into a closed pipe: exit {pipe.returncode}, "
+                f"stderr {'empty' if not err else 'WITH TEXT (WRONG)'}")
+
+    yield "guard: inf, a bool, a 2**65 seed, foo:// tracking, a file as park_dir, list into a closed pipe (issue 40)", \
+        "each refused before Ray naming the key (exit 2); list quietly", inputs
+
+    def disk_faults():
+        said = []
+        for name, error in (("full", OSError(errno.ENOSPC, "No space left on device")),
+                            ("unwritable", PermissionError(errno.EACCES, "Permission denied"))):
+            original = driver._write_final_artifacts
+
+            def failing(out, *args, error=error, **kwargs):
+                error.filename = str(out / "history.parquet")
+                raise error
+
+            driver._write_final_artifacts = failing
+            try:
+                run_experiment(cfg(f"disk_{name}", ["federation.mode=sync", "checkpoint.every=1"]), **quiet)
+                said.append(f"{name}: finished (WRONG)")
+            except RunFault as e:
+                client = MlflowClient(uri)
+                run = [r for r in client.search_runs([e_.experiment_id for e_ in client.search_experiments()])
+                       if r.data.tags.get("failure_reason") == str(e)]
+                said.append(f"{name}: exit 1, MLflow {run[0].info.status if run else 'NOT FAILED (WRONG)'}, "
+                            f"kept: {'checkpoint named' if 'checkpoint of version' in str(e) else 'none'}")
+            finally:
+                driver._write_final_artifacts = original
+        return "; ".join(said)
+
+    yield "guard: disk full / run folder unwritable at the end of a run, simulated (issue 40)", \
+        "exit 1 (never 2), MLflow FAILED with failure_reason naming the folder and the kept checkpoint", disk_faults
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 2 invalid input (config, dataset, resources, a run folder in use or with
 no usable checkpoint), with a message naming the key or file, the value and what is allowed;
-130 interrupted (143 SIGTERM); 1 a failure during the run (e.g. no progress), with the reason.
+130 interrupted (143 SIGTERM); 1 a failure during the run (e.g. no progress), with the reason;
+141 the reader of stdout went away (``rayfed-proto list | head``), quietly.
 """
 
 from __future__ import annotations
@@ -415,16 +416,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     from rayfed_proto.data.datasets import DatasetNotFoundError
     from rayfed_proto.registry import UnknownNameError
     from rayfed_proto.runtime.progress import NoProgressError
+    from rayfed_proto.runtime.runfolder import RunFault
 
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that went away is seen here, not at exit
+        return code
+    except BrokenPipeError:  # the reader went away (rayfed-proto list | head): stop quietly, as a shell tool does
+        return _reader_gone()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except (InputError, DatasetNotFoundError, UnknownNameError, PermissionError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except NoProgressError as e:  # a fault during the run, not bad input: exit 1, with the reason
+    except (NoProgressError, RunFault) as e:  # a fault during the run, not bad input: exit 1, with the reason
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
@@ -435,6 +441,22 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 143 if e.signal_name == "SIGTERM" else 130
         print("interrupted", file=sys.stderr)
         return 130
+
+
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a tool whose reader closed the pipe
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed the pipe: no traceback, and none at exit when Python flushes stdout
+    (pointed at /dev/null; the Python docs' recipe for SIGPIPE)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout: nothing left to flush
+        pass
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from rayfed_proto.numbers import STRICT_NUMBER, StrictNumbers
+
 Auto = Literal["auto"]
 
 
@@ -53,8 +55,8 @@ class InputError(ValueError):
     """Bad input found before training (dataset, partition, resources, output folder)."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+class _Section(StrictNumbers):  # numbers: no booleans, no infinity or NaN (rayfed_proto.numbers)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # --------------------------------------------------------------------------- sections
@@ -443,8 +445,11 @@ class AlgorithmConfig(BaseModel):
         return dict(self.model_extra or {})
 
 
+SEED_MAX = 2**32 - 1  # numpy's and most libraries' seed range; the derived per-client seeds stay in torch's
+
+
 class ExperimentConfig(_Section):
-    seed: int = 0
+    seed: int = Field(0, description="the run's seed (0 to 2**32 - 1): data, partition, models, sampling, clock")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -457,6 +462,13 @@ class ExperimentConfig(_Section):
     faults: FaultsConfig = FaultsConfig()
     system: Optional[SystemConfig] = Field(
         None, description="simulated client systems and the virtual clock; None: wall-clock mode")
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int) -> int:
+        if not 0 <= v <= SEED_MAX:
+            raise ValueError(f"an integer from 0 to {SEED_MAX} (2**32 - 1)")
+        return v
 
     # ------------------------------------------------------------------ derived
     def algorithm_options(self):
@@ -560,8 +572,12 @@ def _issues_from_validation(err: ValidationError, raw: dict, prefix: str = "") -
         # pydantic reports a union's branch names ('function-after[...]', 'literal[...]'): drop them
         loc = tuple(p for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function"))))
         loc = _drop_union_tags(loc, raw)
-        key = prefix + _loc_to_key(loc)
         msg = e["msg"]
+        if e["type"] == STRICT_NUMBER:  # a boolean or non-finite number, found by the section (rayfed_proto.numbers)
+            loc, msg = (*loc, e["ctx"]["field"]), e["ctx"]["problem"]
+            issues.append(ConfigIssue(key=prefix + _loc_to_key(loc), value=_dig(raw, loc), allowed=msg))
+            continue
+        key = prefix + _loc_to_key(loc)
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif msg.startswith("Value error, "):

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from rayfed_proto.algorithms.common import (
     LatestUploads,
@@ -31,16 +31,18 @@ from rayfed_proto.algorithms.common import (
 )
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
+from rayfed_proto.numbers import StrictNumbers
 
 # broadcast extra: the classes of the bank that the latest aggregation produced, the inference
 # bank under ``inference_memory: round`` (absent otherwise)
 ROUND_IDS = "round_class_ids"
 
 
-class Options(BaseModel):
-    """Base of every algorithm's options: unknown keys are errors."""
+class Options(StrictNumbers):
+    """Base of every algorithm's options: unknown keys are errors; numbers are numbers (no
+    booleans, no infinity or NaN: rayfed_proto.numbers)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     def run_issues(self, rounds: int) -> list[tuple[str, Any, str]]:
         """Problems of these options for a run of ``rounds`` server versions, as

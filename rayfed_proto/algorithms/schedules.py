@@ -14,11 +14,13 @@ from __future__ import annotations
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from rayfed_proto.numbers import StrictNumbers
 
 
-class AlignmentSchedule(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AlignmentSchedule(StrictNumbers):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     shape: Literal["linear", "cosine", "sigmoid", "step"] = Field(
         "linear", description="ramp shape g: linear (FedSAP Eq. 7), cosine, sigmoid, or step")

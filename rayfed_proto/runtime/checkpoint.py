@@ -16,21 +16,33 @@ place only once every file is on disk (``os.replace`` of a folder is atomic on P
 while writing leaves a ``.tmp-`` folder that :meth:`CheckpointStore.latest` never loads and the
 next save removes. Only the newest ``keep`` complete checkpoints are kept.
 
-Before a checkpoint is used, :meth:`CheckpointStore.latest` verifies it against its manifest
+Before a checkpoint is used, :meth:`CheckpointStore.latest` checks it against its manifest
 (every file present, same size, same SHA-256); a damaged one is skipped with a warning naming it
-and the next older complete one is used. Files are read with ``torch.load(weights_only=True)``:
-only tensors, plain containers, numpy arrays and this project's message dataclasses can come out
-of a checkpoint, so a checkpoint folder on shared storage cannot run code.
+and the next older complete one is used. For a resume, the client states' checksums are left to
+the restore, which verifies each state's SHA-256 when it reads it (:meth:`Checkpoint.client_state`,
+from the same bytes it loads): a 10,000-client checkpoint holds gigabytes of client states, which
+the restore reads once anyway (issue 39, item 3: hashing them all before Ray starts, and reading
+them again to restore, was most of a resumed run's start-up).
+
+Files are read with ``torch.load(weights_only=True)``: only tensors, plain containers, numpy
+arrays and this project's message dataclasses can come out of a checkpoint, so a checkpoint
+folder on shared storage cannot run code. Before a resume starts anything,
+:meth:`Checkpoint.check_loadable` scans every file, client states included: each must be a torch
+zip archive whose pickle (``data.pkl``, a few kilobytes; the tensor bytes are not read) names
+only globals a checkpoint may hold. A raw pickle or a file naming other code is refused there,
+before Ray starts and before the MLflow run reopens.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
 import time
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,27 +107,66 @@ def _refuse_code(path: Path, names: list[str]) -> CheckpointError:
         "(delete this version's folder) or start the run afresh")
 
 
-def unsafe_globals(path: Path) -> list[str]:
-    """The globals ``path``'s pickle names beyond what a checkpoint may hold, read without
-    loading anything (``torch.serialization.get_unsafe_globals_in_checkpoint``)."""
+def _allowed_in_a_checkpoint() -> set[str]:
+    """Every global ``torch.load(weights_only=True)`` accepts now: torch's own (tensor rebuilds,
+    storages, OrderedDict...) and those registered above."""
     try:
-        found = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception as e:  # not a torch zip file at all: _load says what is wrong
+        from torch import _weights_only_unpickler as wou
+
+        return set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+    except (ImportError, AttributeError):  # another torch: its public scan, file by file (slower)
+        return set()
+
+
+def _pickle_globals(path: Path) -> list[str]:
+    """The globals named by the pickle of the torch zip archive ``path`` (only its ``data.pkl``
+    is read, not the tensor records); :class:`CheckpointError` when ``path`` is not such an
+    archive (a raw pickle, garbage, a truncated file)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            if len(pickles) != 1:
+                raise zipfile.BadZipFile(f"{len(pickles)} data.pkl records")
+            data = archive.read(pickles[0])
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError) as e:
+        raise CheckpointError(
+            f"refused {path}: it is not a file rayfed-proto writes (a torch zip archive of tensors and plain "
+            f"containers: {e}); a raw pickle could run code when loaded, so nothing was loaded from it. Use an older "
+            "checkpoint (delete this version's folder) or start the run afresh") from None
+    try:
+        from torch import _weights_only_unpickler as wou
+
+        return sorted(wou.get_globals_in_pkl(io.BytesIO(data)))
+    except (ImportError, AttributeError):
+        return torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception as e:  # a pickle that cannot even be disassembled
+        raise CheckpointError(f"refused {path}: its pickle is damaged ({e}); use an older checkpoint (delete this "
+                              "version's folder) or start the run afresh") from None
+
+
+def unsafe_globals(path: Path, allowed: Optional[set[str]] = None) -> list[str]:
+    """The globals ``path``'s pickle names beyond what a checkpoint may hold, read without
+    loading anything; [] for a file that is not a torch zip archive (:func:`_load` says what is wrong)."""
+    try:
+        found = _pickle_globals(path)
+    except CheckpointError as e:
         log.debug("cannot scan %s: %s", path, e)
         return []
-    allowed = _allowed_global_names()
+    allowed = (allowed or _allowed_in_a_checkpoint()) | _allowed_global_names()
     return [g for g in found if g not in allowed]
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path, data: Optional[bytes] = None) -> Any:
     # weights_only: a checkpoint on shared storage must not be able to run code when loaded
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data) if data is not None else path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, garbage, or an object type a checkpoint never holds
         code = unsafe_globals(path)
         if code:
             raise _refuse_code(path, code) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "weights_only" in first or "Weights only" in first:  # torch's advice (weights_only=False) is not ours
+            first = "it holds an object a rayfed-proto checkpoint never holds"
         raise CheckpointError(f"cannot load {path}: {first} (expected a checkpoint file written by rayfed-proto: "
                               "tensors, numpy arrays and plain containers)") from None
 
@@ -136,11 +187,17 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(folder: Path) -> dict[str, Any]:
+def is_client_state(name: str) -> bool:
+    """A manifest entry holding one client's state (checksummed when read, see the module doc)."""
+    return name.startswith("clients/")
+
+
+def verify(folder: Path, *, client_states: bool = True) -> dict[str, Any]:
     """Check a checkpoint folder against its manifest (each file present, same size, same
     SHA-256); returns the manifest or raises :class:`CheckpointError` saying what is wrong.
-    A manifest without a file list (written before checksums existed) is checked for the files
-    every checkpoint has."""
+    ``client_states=False``: the client states' sizes only (their checksums are verified as
+    each is read). A manifest without a file list (written before checksums existed) is checked
+    for the files every checkpoint has."""
     manifest = read_manifest(folder)
     files = manifest.get("files")
     if files is None:
@@ -156,7 +213,7 @@ def verify(folder: Path) -> dict[str, Any]:
         size = f.stat().st_size
         if size != meta["size"]:
             raise CheckpointError(f"{f} has {size} bytes, the manifest says {meta['size']}")
-        if _sha256(f) != meta["sha256"]:
+        if (client_states or not is_client_state(name)) and _sha256(f) != meta["sha256"]:
             raise CheckpointError(f"{f} does not match its checksum in the manifest")
     return manifest
 
@@ -174,8 +231,17 @@ class Checkpoint:
         return _load(self.path / "server.pt")
 
     def client_state(self, client_id: int) -> Optional[dict[str, Any]]:
+        """The client's state, its bytes checked against the manifest's SHA-256 before they are loaded."""
         p = self.path / "clients" / f"{client_id}.pt"
-        return _load(p) if p.exists() else None
+        if not p.exists():
+            return None
+        data = p.read_bytes()
+        meta = (self.manifest.get("files") or {}).get(f"clients/{client_id}.pt")
+        if meta is not None and (len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]):
+            raise CheckpointError(
+                f"{p} does not match its checksum in the manifest (damaged after it was written). Resume from the "
+                f"older checkpoint by deleting {self.path}, or start the run afresh")
+        return _load(p, data)
 
     def actor_rng(self) -> dict[int, Any]:
         p = self.path / "actors.pt"
@@ -185,10 +251,14 @@ class Checkpoint:
         return _load(self.path / "driver.pt")
 
     def check_loadable(self) -> None:
-        """Before anything starts (a resume): every file of the checkpoint names only globals a
-        checkpoint may hold (scanned, not loaded), and the small ones (server, driver) load."""
-        for f in sorted(self.path.rglob("*.pt")):
-            code = unsafe_globals(f)
+        """Before anything starts (a resume): every file of the checkpoint, client states included,
+        is a torch zip archive whose pickle names only globals a checkpoint may hold (scanned, not
+        loaded: only each file's ``data.pkl`` is read), and the small ones (server, driver) load."""
+        allowed = _allowed_in_a_checkpoint() | _allowed_global_names()
+        listed = self.manifest.get("files")
+        paths = sorted(self.path / n for n in listed) if listed is not None else sorted(self.path.rglob("*.pt"))
+        for f in paths:
+            code = [g for g in _pickle_globals(f) if g not in allowed]
             if code:
                 raise _refuse_code(f, code)
         self.server_state()
@@ -313,17 +383,20 @@ class CheckpointStore:
                  if p.is_dir() and p.name.startswith(_PREFIX) and p.name[1:].isdigit() and (p / MANIFEST).is_file()]
         return sorted(found, key=lambda p: int(p.name[1:]))
 
-    def latest(self) -> Optional[Checkpoint]:
+    def latest(self, *, client_states: bool = True) -> Optional[Checkpoint]:
         """The newest complete checkpoint that passes :func:`verify`; a damaged newer one is
         skipped with a warning naming it. None when there is no complete checkpoint; raises
-        :class:`CheckpointError` (naming every damaged one) when there are some but none is usable."""
+        :class:`CheckpointError` (naming every damaged one) when there are some but none is usable.
+        ``client_states=False`` (a resume): the client states' checksums are left to the reads of
+        the restore (:meth:`Checkpoint.client_state`); an actor recreated during a run keeps the
+        full check, so a damaged client state there means the older checkpoint, not a failed run."""
         if self.remote is not None:
             self._fetch()
         done = self.complete()
         damaged: list[str] = []
         for folder in reversed(done):
             try:
-                manifest = verify(folder)
+                manifest = verify(folder, client_states=client_states)
             except CheckpointError as e:
                 damaged.append(str(e))
                 log.warning("checkpoint %s is damaged and skipped: %s", folder, e)

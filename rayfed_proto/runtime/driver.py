@@ -69,7 +69,7 @@ def resume_point(cfg: ExperimentConfig, out: Path, store):
                          f"To continue it, raise federation.rounds: rayfed-proto run --resume {out} --set federation.rounds=N "
                          f"with N > {done}")
     try:
-        ckpt = store.latest()
+        ckpt = store.latest(client_states=False)  # each client state's checksum: verified when the restore reads it
     except CheckpointError as e:
         raise InputError(str(e)) from None
     if ckpt is None:
@@ -200,20 +200,55 @@ def _run_experiment(cfg: ExperimentConfig, *, folder_locks, progress: bool = Tru
                     on_eval: Optional[Callable[[int, dict[str, Any]], None]] = None,
                     on_version: Optional[Callable[[int], None]] = None,
                     resume_dir: Optional[str | Path] = None, started_unix: Optional[float] = None) -> RunResult:
+    from rayfed_proto.runtime.signals import StartupSignals, StartupStopped, stopped_before_tracking
+
     run = _Run(cfg, echo, progress, started_unix=started_unix if started_unix is not None else time.time())
-    _prepare(run, folder_locks, resume_dir)  # data, resources, partition, output folder: refuses before writing
-    _track(run)  # the MLflow run, new or resumed
+    startup = StartupSignals().install()  # until the scheduler's handlers: a signal is acted on at safe points
+    try:
+        try:
+            _prepare(run, folder_locks, resume_dir, startup)  # data, resources, partition, output folder: refuses before writing
+            startup.enter("MLflow run")
+            _track(run)  # the MLflow run, new or resumed
+        except StartupStopped as stop:  # nothing in MLflow yet: the workers released, a new run's folder removed
+            msg, version = stopped_before_tracking(run, stop)
+            raise RunInterrupted(msg, run.out, version, stop.signal_name) from None
+        return _run_tracked(run, startup, on_eval, on_version)
+    finally:
+        startup.restore()
+
+
+def _run_tracked(run: _Run, startup, on_eval, on_version) -> RunResult:
+    """The run once its MLflow run exists: actors, restore, the event loop, the end; the MLflow
+    run ends FINISHED, KILLED (a stop) or FAILED, and the actors are released, however it ends."""
+    from rayfed_proto.runtime import runfolder
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+    from rayfed_proto.runtime.signals import StartupStopped, stopped_in_startup
+
     status = "FAILED"
     restore_signals = lambda: None  # noqa: E731
     try:
+        startup.enter("actors starting")
         _start(run)  # server and workers built, placed and given their data
+        startup.enter("restore")
         _restore(run)  # from the checkpoint, when resuming
+        startup.enter("first version")
         scheduler = run.scheduler = _make_scheduler(run, on_eval, on_version)
         restore_signals = _install_stop_handlers(scheduler)
+        startup.check()  # a signal between the last safe point and the scheduler's handlers
         final_version = _loop(run)  # the event loop; a requested stop ends in RunInterrupted
         result = _finish(run, final_version)  # final counters, artifacts, summary
         status = "FINISHED"
         return result
+    except StartupStopped as stop:  # a resumed run KILLED (its checkpoint stands), a new one FAILED with the reason
+        status, msg, version = stopped_in_startup(run, stop)
+        raise RunInterrupted(msg, run.out, version, stop.signal_name) from None
+    except CheckpointError:  # a client state damaged since the scan (its checksum, at the restore): refused as input,
+        status = getattr(run.tracker, "resumed_status", None) or "FAILED"  # the run's status left as it was
+        raise
+    except OSError as e:  # a disk that filled, a folder made unwritable: a fault (exit 1), named, with what was kept
+        fault = runfolder.RunFault.during_run(e, run.out, run.store)
+        run.tracker.set_tags({"failure_reason": str(fault)[:5000]})
+        raise fault from None
     except RunInterrupted:
         status = "KILLED"
         raise
@@ -244,14 +279,14 @@ def _release_actors(run: _Run) -> None:
 # ----------------------------------------------------------------------------- the steps of a run
 
 
-def _prepare(run: _Run, folder_locks, resume_dir) -> None:
+def _prepare(run: _Run, folder_locks, resume_dir, startup) -> None:
     """Everything that can refuse the run does so before Ray starts or anything is written: the
     checkpoint to resume, the dataset, the partition, the simulated clients' availability, the
     output and checkpoint folders; then, with Ray, the tracking store and the cluster's resources
     (a refusal there removes the fresh, still empty output folder). The run's files are written
     once the worker processes are starting."""
-    from rayfed_proto.data import Partition
     from rayfed_proto.data.datasets import dataset_warnings
+    from rayfed_proto.runtime.parking import check_park_dir
 
     cfg = run.cfg
     if resume_dir is not None:
@@ -261,7 +296,7 @@ def _prepare(run: _Run, folder_locks, resume_dir) -> None:
         folder_locks.enter_context(runfolder.RunFolderLock(run.out))  # first: a second driver is refused at once
         run.store = checkpoint_store(cfg, run.out)
         run.ckpt = resume_point(cfg, run.out, run.store)  # refuses (before Ray starts) when there is nothing to resume
-        run.partition = Partition.load_parquet(run.out / "partition.parquet")
+        run.partition = runfolder.load_partition(run.out)  # a damaged file: refused, naming it and what to do
     try:  # only the driver ever reads the data (actors take it from the object store)
         dataset = load_dataset(cfg.data, cfg.seed)
     except (ValueError, KeyError) as e:  # infeasible data for this config: the user's to fix
@@ -274,10 +309,15 @@ def _prepare(run: _Run, folder_locks, resume_dir) -> None:
     run.class_names = list(dataset.class_names)
     system = _system_model(cfg, run.partition, *run.shape)
     _check_availability(cfg, system, run.ckpt.version if run.ckpt is not None else 0)
+    if cfg.resources.address is None and cfg.resources.parks_clients(cfg.federation.num_clients) \
+            and cfg.resources.parks_on_disk(cfg.federation.num_clients):  # a local Ray: the workers' folder is this node's
+        check_park_dir(cfg.resources.park_dir)
     if run.ckpt is None:
         _new_output_folder(run, folder_locks)
     try:
+        startup.enter("Ray starting")
         _start_ray_and_workers(run)
+        startup.enter("workers starting")
     except BaseException:
         if run.ckpt is None:  # refused before its files were written: leave nothing behind
             shutil.rmtree(run.out, ignore_errors=True)
@@ -319,8 +359,11 @@ def _start_ray_and_workers(run: _Run) -> None:
     from rayfed_proto.runtime.resources import plan_resources
 
     cfg = run.cfg
+    from rayfed_proto.runtime.signals import ray_keeps_our_handlers
+
     run.tracker = make_tracker(cfg.tracking)
-    ensure_ray(cfg)
+    with ray_keeps_our_handlers():  # a SIGTERM is the start-up's to handle (signals.py), not a sys.exit inside Ray
+        ensure_ray(cfg)
     cap = capacity(cfg.resources)
     total = cap.totals()
     # per node: each bundle must fit on one node of those the cluster has or will have (refused in seconds if not)

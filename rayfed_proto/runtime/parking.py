@@ -155,6 +155,29 @@ class ParkedStates:
         return 0 if self.folder is None else sum(1 for _ in self.folder.glob("*.pt"))
 
 
+def check_park_dir(park_dir: Optional[str]) -> Path:
+    """Fail before Ray starts, not in every worker's setup, when ``resources.park_dir`` (None:
+    the temp folder) is not a writable folder: a file, read-only, not creatable."""
+    where = Path(park_dir or tempfile.gettempdir()).expanduser()
+    root = where / SUBDIR
+    problem = None
+    if where.exists() and not where.is_dir():
+        problem = "it is a file, not a folder"
+    else:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".probe-", dir=root)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            problem = f"cannot write {root}: {e.strerror or e}"
+    if problem is not None:
+        raise PermissionError(f"resources.park_dir = {str(park_dir) if park_dir else None!r} ({where}): {problem}; parked "
+                              "client states need a writable local folder: set resources.park_dir to one, or "
+                              "resources.park_to=memory") from None
+    return root
+
+
 def remove_orphaned(root: Path) -> list[Path]:
     """Remove the folders under ``root`` whose worker process (the pid in the name) is gone."""
     removed = []

@@ -42,6 +42,23 @@ OUTPUT_DIR = "rayfed_proto.output_dir"
 _START_TOLERANCE_S = 1.0  # the kernel's start times, as psutil reads them, can differ by rounding
 
 
+class RunFault(RuntimeError):
+    """A file-system fault during a run (a disk that filled, a folder made unwritable): not bad
+    input, so exit 1 with the MLflow run FAILED; the message names the file and what was kept."""
+
+    @classmethod
+    def during_run(cls, error: OSError, out: Optional[Path], store) -> RunFault:
+        where = f" ({error.filename})" if getattr(error, "filename", None) else ""
+        try:
+            latest = store.latest() if store is not None else None
+        except Exception:  # a damaged store: say nothing of it rather than hide the fault
+            latest = None
+        kept = (f"the checkpoint of version {latest.version} in {latest.path} is kept: once there is room (or the "
+                f"folder is writable again), resume with: rayfed-proto run --resume {out}" if latest is not None
+                else "there is no checkpoint to resume from")
+        return cls(f"the run failed on a file-system error{where}: {error.strerror or error}; run folder {out}; {kept}")
+
+
 class RunFolderBusy(InputError):
     """Another driver holds the run folder's lock."""
 
@@ -336,3 +353,25 @@ def settle_orphaned_store_runs(tracking_uri: Optional[str], exclude: Iterable[st
             log.warning("could not check MLflow run %s (left RUNNING by pid %s on %s): %s", run_id,
                         tags.get(DRIVER_PID, "?"), host, e)
     return settled
+
+
+PARTITION = "partition.parquet"
+
+
+def load_partition(folder: Path):
+    """The partition a resumed run continues with (which client holds which samples), read from
+    ``folder``; an :class:`InputError` naming the file and what to do when it is missing or
+    damaged (a resume cannot draw it again: the clients' states belong to this one)."""
+    from rayfed_proto.data import Partition
+
+    path = Path(folder) / PARTITION
+    try:
+        return Partition.load_parquet(path)
+    except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError), missing columns or metadata
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        info = read_run_info(Path(folder)) or {}
+        copy = (f"; the run's MLflow run {info['run_id']} holds a copy: mlflow artifacts download --run-id "
+                f"{info['run_id']} --artifact-path {PARTITION} --dst-path {folder}" if info.get("run_id") else "")
+        raise InputError(f"cannot read {path} ({first}): a resume needs the run's partition unchanged (which client "
+                         f"holds which samples){copy}. Put the file back, or start the run afresh: rayfed-proto run "
+                         f"{Path(folder) / 'config.yaml'}") from None

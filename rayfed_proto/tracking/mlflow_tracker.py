@@ -24,7 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Optional
 
-from rayfed_proto.config import TrackingConfig
+from rayfed_proto.config import InputError, TrackingConfig
 from rayfed_proto.tracking.metric_names import COUNTERS, EVAL_HEAD_ACC, SCHEMA_TAG, SCHEMA_VERSION, is_name
 
 log = logging.getLogger("rayfed_proto")
@@ -44,6 +44,25 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
 
 ROLE_TAG = "rfp.role"  # parent (a seed group's or a sweep's), child (a seed's or a trial's run), run, comparison
 ROLES = ("parent", "child", "run", "comparison")
+
+
+def check_store_scheme(uri: str, key: str = "tracking.tracking_uri") -> None:
+    """An :class:`InputError` naming ``key``, the URI and the schemes MLflow knows, when ``uri``'s
+    scheme is none of them (MLflow itself raises a bare ``KeyError`` later on)."""
+    try:
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+        from mlflow.utils.uri import get_uri_scheme
+
+        known = set(_tracking_store_registry._registry)
+        scheme = get_uri_scheme(uri)
+    except Exception:  # another MLflow: let it say what it says
+        return
+    if scheme not in known and scheme.split("+", 1)[0] not in known:
+        raise InputError(f"{key} = {uri!r}: MLflow has no tracking store for the scheme {scheme!r}; use sqlite:///path.db, "
+                         "a folder, http(s)://server, or a database URI (" + ", ".join(sorted(k for k in known if k))
+                         + "), or tracking.enabled=false")
+
+
 EXPERIMENT_KIND = "custom_model_development"  # experiment tag mlflow.experimentKind: not a GenAI experiment
 # config keys that differ per run by construction: logged as run tags, not params
 BOOKKEEPING_PARAMS = ("tracking.output_dir", "tracking.run_name", "tracking.parent_run_id", "tracking.tracking_uri",
@@ -101,6 +120,7 @@ class MlflowTracker:
         self.system_metrics_restarts = 0
         self.mlflow = mlflow
         self.uri = resolve_tracking_uri(cfg.tracking_uri)
+        check_store_scheme(self.uri, "tracking.tracking_uri" if cfg.tracking_uri else "$MLFLOW_TRACKING_URI")
         if self.uri.startswith("sqlite:///"):
             db = Path(self.uri[len("sqlite:///"):])
             try:
@@ -121,6 +141,7 @@ class MlflowTracker:
         self.counters_moved: set[str] = set()  # counters (metric_names.COUNTERS) logged since they left 0
         self._system_metrics_pending = False  # started after the run's first metrics
         self._resumed = False
+        self.resumed_status: Optional[str] = None  # a resumed run's status before this driver reopened it
         self.system_metrics = cfg.system_metrics
         if cfg.system_metrics:
             from mlflow.system_metrics import set_system_metrics_sampling_interval
@@ -214,7 +235,7 @@ class MlflowTracker:
         ``tags`` (the new driver's identity) are set before the run is RUNNING again, so that it
         is never RUNNING under the tags of the driver that died."""
         try:
-            self.mlflow.get_run(run_id)
+            self.resumed_status = self.mlflow.get_run(run_id).info.status  # a refused restore ends it so again
         except Exception as e:  # deleted run, or another tracking store
             raise FileNotFoundError(f"MLflow run {run_id} not found at {self.uri} ({e}); resume with the same "
                                     "tracking.tracking_uri as the interrupted run") from None

@@ -235,3 +235,65 @@ def test_a_checkpoint_written_before_checksums_still_loads(tmp_path):
     del manifest["files"], manifest["format"]
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert store.latest().server_state()["core"]["x"][0] == 3.0
+
+
+def _rewrite_with_manifest(path, name: str, data: bytes) -> None:
+    """Replace the file ``name`` of checkpoint ``path`` and its manifest entry (a crafted folder)."""
+    import hashlib
+    import json
+
+    (path / name).write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_raw_pickle_client_file_is_refused_by_the_scan_in_this_projects_words(tmp_path):
+    """Issue 40.2: a client state that is a raw pickle (not torch's zip format) is refused by the
+    scan that runs before Ray starts, never loaded, and the message is this project's."""
+    import pickle
+
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+
+    store = CheckpointStore(tmp_path)
+    path = _save(store, 2)
+    marker = tmp_path / "pwned"
+    _rewrite_with_manifest(path, "clients/0.pt", pickle.dumps({"w": _RunsCode(str(marker))}))
+    with pytest.raises(CheckpointError, match=r"clients/0\.pt") as refused:
+        store.latest().check_loadable()
+    assert not marker.exists()
+    msg = str(refused.value)
+    assert "not a file rayfed-proto writes" in msg and "weights_only" not in msg and "older checkpoint" in msg
+
+
+def test_a_client_states_checksum_is_verified_when_it_is_read(tmp_path):
+    """Issue 39.3: the client states' checksums are not computed before the resume starts (the
+    sizes are), but a state whose bytes differ from the manifest's SHA-256 is refused when read,
+    naming the file and what to do; the other states and the scan are unaffected."""
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+
+    store = CheckpointStore(tmp_path)
+    path = _save(store, 2, marker=5.0)
+    data = bytearray((path / "clients" / "0.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other content: only the checksum can tell
+    (path / "clients" / "0.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="no usable checkpoint"):  # the full check (an actor recreated in a run)
+        store.latest()
+    ck = store.latest(client_states=False)  # a resume: the client states are checked as they are read
+    assert ck.version == 2
+    with pytest.raises(CheckpointError, match=r"clients/0\.pt does not match its checksum") as err:
+        ck.client_state(0)
+    assert f"deleting {path}" in str(err.value)
+    assert torch.equal(ck.client_state(1)["w"], torch.zeros(2))
+
+
+def test_latest_does_not_hash_client_states(tmp_path, monkeypatch):
+    from rayfed_proto.runtime import checkpoint
+
+    store = CheckpointStore(tmp_path)
+    _save(store, 2)
+    hashed = []
+    real = checkpoint._sha256
+    monkeypatch.setattr(checkpoint, "_sha256", lambda p: hashed.append(p.name) or real(p))
+    store.latest(client_states=False).check_loadable()
+    assert sorted(hashed) == ["actors.pt", "driver.pt", "server.pt"]

@@ -1,0 +1,134 @@
+"""SIGINT / SIGTERM while a run starts: noted at once, acted on at the next safe point.
+
+Until the scheduler runs (and its own handlers drain, checkpoint and stop), a run is in library
+code most of the time: MLflow's SQLAlchemy store, ``ray.init`` starting its processes, actors
+being created. An exception raised by a signal handler lands wherever the interpreter is, and in a
+garbage-collector callback (SQLAlchemy's) it is printed and swallowed, so the run went on; Ray's
+own SIGTERM handler (``sys.exit``, set by ``ray.init``) raised ``SystemExit`` inside Ray's start-up
+and the driver died by SIGABRT, its MLflow run left RUNNING and Ray's processes alive.
+
+:class:`StartupSignals` replaces both handlers for the start-up: a signal only records its name;
+the driver calls :meth:`StartupSignals.check` between its steps (before Ray, after Ray started,
+once the workers are set up, after the restore) and :class:`StartupStopped` unwinds the start-up
+through the driver's ordinary clean-up (actors killed, the MLflow run ended, Ray shut down at
+exit). ``ray.init`` is kept from installing its handler (:func:`ray_keeps_our_handlers`). The
+handlers are installed only in the main thread (a Tune trial's thread has Tune's).
+No Ray import at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import signal
+import threading
+from typing import Any, Optional
+
+log = logging.getLogger("rayfed_proto")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StartupStopped(KeyboardInterrupt):
+    """A SIGINT or SIGTERM arrived while the run was starting (``signal_name``)."""
+
+    def __init__(self, signal_name: str, stage: str):
+        super().__init__(f"{signal_name} during start-up ({stage})")
+        self.signal_name, self.stage = signal_name, stage
+
+
+class StartupSignals:
+    """The start-up's handlers for SIGINT and SIGTERM (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.received: Optional[str] = None  # the first signal's name
+        self.stage = "before Ray"
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StartupSignals:
+        if threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                current = signal.getsignal(sig)
+                if current != self._handler:
+                    self._previous[sig] = current
+                    signal.signal(sig, self._handler)
+        return self
+
+    def restore(self) -> None:
+        """The handlers from before :meth:`install` (a later run of the process gets them back)."""
+        for sig, previous in self._previous.items():
+            with contextlib.suppress(TypeError, ValueError):
+                signal.signal(sig, previous)
+        self._previous.clear()
+
+    def _handler(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received = name
+            log.warning("%s received while the run starts (%s): stopping at the next safe point", name, self.stage)
+
+    def enter(self, stage: str) -> None:
+        """A safe point: stop now if a signal came; then the next stage begins (logged, for tests
+        and for a user who wonders where a slow start-up is)."""
+        self.check()
+        self.stage = stage
+        log.debug("start-up stage: %s", stage)
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise StartupStopped(self.received, self.stage)
+
+
+@contextlib.contextmanager
+def ray_keeps_our_handlers():
+    """``ray.init`` without its SIGTERM handler (``sys.exit`` wherever the interpreter is), and
+    the handlers in place before it installed again after it: Ray's core worker installs a C-level
+    failure handler for SIGTERM (a stack dump, then SIGABRT) that Python's record of its handlers
+    does not show. Ray is shut down at exit all the same (``atexit``)."""
+    main = threading.current_thread() is threading.main_thread()
+    ours = {sig: signal.getsignal(sig) for sig in SIGNALS} if main else {}
+    try:
+        import ray._private.utils as ray_utils
+    except ImportError:
+        ray_utils = None
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        if original is not None:
+            ray_utils.set_sigterm_handler = original
+        for sig, handler in ours.items():
+            if handler is not None:  # None: set from C, not by Python; nothing to put back
+                signal.signal(sig, handler)
+
+
+def stopped_before_tracking(run, stop: StartupStopped) -> tuple[str, int]:
+    """A signal before the MLflow run existed (``run``: the driver's run so far): the workers
+    released and a new run's folder removed (nothing refers to it); a resumed run's folder and
+    checkpoint are as they were. The message and the version to report."""
+    if run.fleet is not None:
+        run.fleet.shutdown()
+    if run.ckpt is None:
+        if run.out is not None:
+            shutil.rmtree(run.out, ignore_errors=True)
+        return f"stopped ({stop.signal_name}) while the run was starting ({stop.stage}): nothing was kept", 0
+    return (f"stopped ({stop.signal_name}) while the run was starting ({stop.stage}); the run folder and its checkpoint "
+            f"of version {run.ckpt.version} are unchanged.\nResume with: rayfed-proto run --resume {run.out}",
+            run.ckpt.version)
+
+
+def stopped_in_startup(run, stop: StartupStopped) -> tuple[str, str, int]:
+    """A signal after the MLflow run existed, before the scheduler ran: a resumed run is KILLED
+    (its checkpoint still stands: resume again), a new one FAILED with the reason as
+    ``failure_reason`` (nothing was formed). The MLflow status, the message and the version."""
+    if run.ckpt is not None:
+        run.tracker.set_tags({"stopped": f"{stop.signal_name} during start-up", "resume_from": str(run.out)})
+        return "KILLED", (f"stopped ({stop.signal_name}) while the run was starting ({stop.stage}); the checkpoint of "
+                          f"version {run.ckpt.version} in {run.ckpt.path} still stands.\nResume with: rayfed-proto run "
+                          f"--resume {run.out}"), run.ckpt.version
+    reason = f"stopped by {stop.signal_name} while the run was starting ({stop.stage}), before its first version"
+    run.tracker.set_tags({"failure_reason": reason})
+    return "FAILED", f"{reason}: nothing to resume. Start again with: rayfed-proto run {run.out / 'config.yaml'}", 0
