@@ -204,6 +204,10 @@ class ResourcesConfig(_Section):
     park_dir: Optional[str] = Field(
         None, min_length=1, description="park_to=disk: local folder on every worker node for the parked states "
         "(a subfolder per worker, removed when it ends); None: the node's temp folder")
+    batch_clients: Literal["auto", "off"] = Field(
+        "off", description="auto: clients of one architecture hosted by one worker and dispatched together (a sync "
+        "round) step as one vmapped model, when their method allows it (rayfed-proto list); results equal the "
+        "one-after-another ones within float tolerance, not bit for bit. off: one client after another")
     client_num_cpus: Union[Auto, float] = "auto"
     client_num_gpus: Union[Auto, float] = "auto"
     server_num_cpus: Union[Auto, float] = "auto"
