@@ -224,6 +224,11 @@ class ResourcesConfig(_Section):
     def _per_actor(cls, v):
         return _auto_or_positive(v)
 
+    @field_validator("batch_clients", mode="before")
+    @classmethod
+    def _batch_clients(cls, v):
+        return "off" if v is False else v  # YAML reads a bare off as false
+
     @field_validator("park_to")
     @classmethod
     def _park_to(cls, v, info):

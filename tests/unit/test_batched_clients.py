@@ -229,3 +229,12 @@ def test_list_says_which_methods_batch(capsys):
     lines = {line.split()[0]: line for line in section.strip().splitlines()}
     assert all("batched" in lines[m] for m in BATCHED)
     assert all("one client at a time" in lines[m] for m in ("fedsa", "fedsap", "fedprotokd"))
+
+
+def test_batch_clients_reads_off_from_yaml_and_names_the_allowed_values():
+    from rayfed_proto.config import ConfigError
+
+    assert build_config({}, ["resources.batch_clients=off"]).resources.batch_clients == "off"  # YAML's false
+    assert build_config({"resources": {"batch_clients": "auto"}}, []).resources.batch_clients == "auto"
+    with pytest.raises(ConfigError, match=r"resources.batch_clients.*'auto' or 'off'"):
+        build_config({}, ["resources.batch_clients=on"])
