@@ -118,7 +118,7 @@ class ClientActor:
         return self._faulty(client_id, *self.host.train(client_id, state, keep_from))
 
     def train_group(self, client_ids: list[int], state: GlobalState, keep_from: list[int | None]):
-        """Local updates of several clients against one state (``resources.batch_clients``):
+        """Local updates of several clients against one state (``resources.batch_clients`` on or auto):
         (meta, update) of each client in order, flattened, one return value each (the caller
         asks for ``num_returns=2 * len(client_ids)``), each what :meth:`train` returns."""
         results = self.host.train_group(client_ids, state, keep_from)

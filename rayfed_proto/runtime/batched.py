@@ -101,72 +101,107 @@ def _per_client(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class StackedOptimizer:
     """``training.optimizer`` (SGD with momentum, dampening, Nesterov and weight decay, or Adam) on
-    stacked parameters: the arithmetic of :mod:`rayfed_proto.optim` applied to every slice, and
-    kept only for the clients whose step was applied (``mask``), as each client's own optimizer
-    would have left the others. State is read from and written back to the clients' optimizers
-    in their own format, so a per-client update that follows continues from it."""
+    stacked parameters: :mod:`rayfed_proto.optim`'s arithmetic on the rows of the clients whose
+    step was applied, the others left as their own optimizers would have left them. When every
+    client steps (the common case) the update runs in place on the whole stack, op for op as
+    :class:`~rayfed_proto.optim.LeanSGD`/:class:`~rayfed_proto.optim.LeanAdam` run it on one
+    client. Per-client bookkeeping (momentum started, Adam's step count) stays on the host, so
+    Adam's bias corrections are the same Python floats as alone. State is read from and written
+    back to the clients' own optimizers, in their format."""
 
     def __init__(self, members: list[Member], names: list[str], params: dict[str, torch.Tensor]):
         self.kind = _optimizer_kind(members[0].optimizer)
         self.group = members[0].optimizer.param_groups[0]
-        self.names = names
+        self.names, self.n = names, len(members)
         per_client = [list(m.optimizer.param_groups[0]["params"]) for m in members]
-        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self.state: dict[str, dict[str, Any]] = {}
         for j, name in enumerate(names):
             states = [m.optimizer.state.get(ps[j], {}) for m, ps in zip(members, per_client, strict=True)]
             self.state[name] = self._gather(states, params[name])
 
-    def _gather(self, states: list[dict[str, Any]], p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _gather(self, states: list[dict[str, Any]], p: torch.Tensor) -> dict[str, Any]:
         def stack(key: str) -> torch.Tensor:
-            return torch.stack([s[key].to(p.device, p.dtype) if key in s else torch.zeros_like(p[0]) for s in states])
+            return torch.stack([s[key].to(p.device, p.dtype) if s.get(key) is not None else torch.zeros_like(p[0])
+                                for s in states])
 
         if self.kind == _SGD:
-            has = torch.tensor(["momentum_buffer" in s and s["momentum_buffer"] is not None for s in states],
-                               device=p.device)
-            return {"momentum_buffer": stack("momentum_buffer"), "has": has}
-        step = torch.tensor([float(s["step"]) if "step" in s else 0.0 for s in states], dtype=torch.float32,
-                            device=p.device)
-        return {"exp_avg": stack("exp_avg"), "exp_avg_sq": stack("exp_avg_sq"), "step": step}
+            return {"momentum_buffer": stack("momentum_buffer"),
+                    "has": [s.get("momentum_buffer") is not None for s in states]}
+        return {"exp_avg": stack("exp_avg"), "exp_avg_sq": stack("exp_avg_sq"),
+                "step": [float(s["step"]) if "step" in s else 0.0 for s in states]}
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], mask: torch.Tensor) -> None:
+    def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], rows: list[int]) -> None:
+        """Update the clients ``rows`` (``grads``: theirs, in that order)."""
+        if not rows:
+            return
+        every = rows == list(range(self.n))
+        index = torch.tensor(rows, device=next(iter(params.values())).device)
         for name in self.names:
             update = self._sgd if self.kind == _SGD else self._adam
-            params[name] = update(params[name], grads[name], self.state[name], mask)
+            update(params[name], grads[name], self.state[name], rows, None if every else index)
 
-    def _sgd(self, p, grad, state, mask):
-        # torch.optim.SGD / optim.LeanSGD, per slice
+    def _sgd(self, p_all, grad, state, rows, index):
+        # torch.optim.SGD / optim.LeanSGD on the rows
         g = self.group
-        keep = _per_client(mask, p)
+        p = p_all if index is None else p_all[index]
         if g["weight_decay"] != 0:
             grad = grad.add(p, alpha=g["weight_decay"])
         if g["momentum"] != 0:
-            buf, has = state["momentum_buffer"], state["has"]
-            moved = torch.where(_per_client(has, p), buf.mul(g["momentum"]).add(grad, alpha=1 - g["dampening"]), grad)
-            state["momentum_buffer"] = torch.where(keep, moved, buf)
-            state["has"] = has | mask
-            grad = grad.add(moved, alpha=g["momentum"]) if g["nesterov"] else moved
-        return torch.where(keep, p.add(grad, alpha=-g["lr"]), p)
+            buf_all, has = state["momentum_buffer"], state["has"]
+            started = [has[r] for r in rows]
+            if index is None and all(started):
+                buf = buf_all.mul_(g["momentum"]).add_(grad, alpha=1 - g["dampening"])
+            else:
+                old = buf_all if index is None else buf_all[index]
+                if any(started):
+                    started_t = torch.tensor(started, device=p.device).view(-1, *([1] * (p.dim() - 1)))
+                    buf = torch.where(started_t, old.mul(g["momentum"]).add(grad, alpha=1 - g["dampening"]), grad)
+                else:
+                    buf = grad.detach().clone()
+                if index is None:
+                    buf_all.copy_(buf)
+                else:
+                    buf_all.index_copy_(0, index, buf)
+            for r in rows:
+                has[r] = True
+            grad = grad.add(buf, alpha=g["momentum"]) if g["nesterov"] else buf
+        if index is None:
+            p_all.add_(grad, alpha=-g["lr"])
+        else:
+            p_all.index_copy_(0, index, p.add(grad, alpha=-g["lr"]))
 
-    def _adam(self, p, grad, state, mask):
-        # torch.optim.Adam / optim.LeanAdam (Kingma & Ba, Alg. 1, coupled weight decay), per slice
+    def _adam(self, p_all, grad, state, rows, index):
+        # torch.optim.Adam / optim.LeanAdam (Kingma & Ba, Alg. 1, coupled weight decay) on the rows
         g = self.group
         beta1, beta2 = g["betas"]
-        keep = _per_client(mask, p)
-        step = torch.where(mask, state["step"] + 1, state["step"])
+        p = p_all if index is None else p_all[index]
+        exp_avg = state["exp_avg"] if index is None else state["exp_avg"][index]
+        exp_avg_sq = state["exp_avg_sq"] if index is None else state["exp_avg_sq"][index]
+        for r in rows:
+            state["step"][r] += 1
+        steps = [state["step"][r] for r in rows]
         if g["weight_decay"] != 0:
             grad = grad.add(p, alpha=g["weight_decay"])
-        exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
-        s = step.double().clamp(min=1)
-        step_size = (g["lr"] / (1 - beta1**s)).to(p.dtype)
-        bias_correction2_sqrt = (1 - beta2**s).sqrt().to(p.dtype)
-        denom = (exp_avg_sq.sqrt() / _per_client(bias_correction2_sqrt, p)).add(g["eps"])
-        moved = p - _per_client(step_size, p) * exp_avg / denom
-        state["exp_avg"] = torch.where(keep, exp_avg, state["exp_avg"])
-        state["exp_avg_sq"] = torch.where(keep, exp_avg_sq, state["exp_avg_sq"])
-        state["step"] = step
-        return torch.where(keep, moved, p)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        if len(set(steps)) == 1:  # one step count: the scalars LeanAdam computes
+            step_size = g["lr"] / (1 - beta1 ** steps[0])
+            denom = (exp_avg_sq.sqrt() / (1 - beta2 ** steps[0]) ** 0.5).add_(g["eps"])
+            new = p.addcdiv_(exp_avg, denom, value=-step_size) if index is None else p.addcdiv(exp_avg, denom,
+                                                                                               value=-step_size)
+        else:
+            shape = (-1, *([1] * (p.dim() - 1)))
+            step_size = torch.tensor([g["lr"] / (1 - beta1**s) for s in steps], dtype=p.dtype, device=p.device)
+            bc2 = torch.tensor([(1 - beta2**s) ** 0.5 for s in steps], dtype=p.dtype, device=p.device)
+            denom = (exp_avg_sq.sqrt() / bc2.view(shape)).add_(g["eps"])
+            new = p - step_size.view(shape) * exp_avg / denom
+            if index is None:
+                p_all.copy_(new)
+        if index is not None:
+            p_all.index_copy_(0, index, new)
+            state["exp_avg"].index_copy_(0, index, exp_avg)
+            state["exp_avg_sq"].index_copy_(0, index, exp_avg_sq)
 
     def write_back(self, members: list[Member]) -> None:
         """Each client's optimizer state as its own optimizer would hold it (absent where it never stepped)."""
@@ -174,10 +209,10 @@ class StackedOptimizer:
             for name, p in zip(self.names, m.optimizer.param_groups[0]["params"], strict=True):
                 st = self.state[name]
                 if self.kind == _SGD:
-                    if bool(st["has"][i]) and self.group["momentum"] != 0:
+                    if st["has"][i] and self.group["momentum"] != 0:
                         m.optimizer.state[p] = {"momentum_buffer": torch.empty_like(p).copy_(st["momentum_buffer"][i])}
-                elif float(st["step"][i]) > 0:
-                    m.optimizer.state[p] = {"step": torch.tensor(float(st["step"][i]), dtype=torch.float32),
+                elif st["step"][i] > 0:
+                    m.optimizer.state[p] = {"step": torch.tensor(st["step"][i], dtype=torch.float32),
                                             "exp_avg": torch.empty_like(p).copy_(st["exp_avg"][i]),
                                             "exp_avg_sq": torch.empty_like(p).copy_(st["exp_avg_sq"][i])}
 
@@ -346,11 +381,13 @@ class BatchedUpdate:
         applied = torch.isfinite(norms + loss)
         if self.max_norm is not None:
             coef = (self.max_norm / (norms + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grads_with_norm_
-            grads = {k: g * _per_client(coef, g) for k, g in grads.items()}
-        mask = torch.zeros(n, dtype=torch.bool, device=self.device).index_copy(0, idx, applied)
-        if not whole:
-            grads = {k: torch.zeros_like(self.params[k]).index_copy(0, idx, g) for k, g in grads.items()}
-        self.optimizer.step(self.params, grads, mask)
+            for g in grads.values():
+                g.mul_(_per_client(coef, g))
+        ok = applied.tolist()  # the step's one host read, as guarded_step's (one per group, not per client)
+        if not all(ok):
+            keep = torch.tensor([j for j, a in enumerate(ok) if a], dtype=torch.long, device=self.device)
+            grads = {k: g[keep] for k, g in grads.items()}
+        self.optimizer.step(self.params, grads, [i for i, a in zip(ids, ok, strict=True) if a])
         self.tally.add(idx, applied, loss, terms)
         if self.protos is not None:
             if feats.numel() == 0:

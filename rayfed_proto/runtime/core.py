@@ -373,7 +373,7 @@ class ClientHost:
     def train_group(self, clients: list[int], state: GlobalState,
                     keep_from: Optional[list[Optional[int]]] = None) -> list[tuple[dict[str, Any], ClientUpdate]]:
         """Local updates of ``clients`` against one ``state``, results in their order, each what
-        :meth:`train` returns. With ``resources.batch_clients: auto`` the clients that can
+        :meth:`train` returns. Where ``resources.batch_clients`` batches (:func:`batches_on`) the clients that can
         (:func:`batched.batch_refusal`) and share an architecture and settings
         (:func:`batched.group_key`) step together as one batched model; the others, and every
         client with ``off``, train one after another."""
@@ -396,7 +396,7 @@ class ClientHost:
 
     def _batch_groups(self, runners: dict[int, ClientRunner]) -> list[list[int]]:
         """The clients that step together (one list each), in client order of their first member."""
-        if self.cfg.resources.batch_clients == "off":
+        if not batches_on(self.cfg.resources.batch_clients, self.device):
             return [[c] for c in runners]
         groups: dict[Any, list[int]] = {}
         for c, r in runners.items():
@@ -495,6 +495,15 @@ class ClientHost:
 
     def live_count(self) -> int:
         return len(self.live)
+
+
+def batches_on(batch_clients: str, device: torch.device) -> bool:
+    """Whether ``resources.batch_clients`` steps a worker's clients as one batched model on
+    ``device``: ``on`` everywhere, ``auto`` on accelerators only. On the CPU the vmapped update is
+    slower than one client after another (grouped NCHW convolutions and pools against per-client
+    channels_last ones, docs/benchmarks.md "Batched clients"); on a GPU, where a batch-10 step is
+    launch-bound, one launch for all clients is the point."""
+    return batch_clients == "on" or (batch_clients == "auto" and device.type != "cpu")
 
 
 def train_batched(runners: list[ClientRunner], state: GlobalState) -> list[tuple[dict[str, Any], ClientUpdate]]:

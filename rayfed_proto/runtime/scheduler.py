@@ -109,7 +109,7 @@ class Scheduler:
             progress = ProgressWatch()  # no limits
         self.policy, self.limits, self.hooks, self.progress = policy, limits, hooks, progress
         self.server, self.actors, self.actor_clients = server, actors, actor_clients
-        self.batch_clients = batch_clients  # resources.batch_clients auto: dispatch_group sends a worker's clients at once
+        self.batch_clients = batch_clients  # resources.batch_clients on/auto: dispatch_group sends a worker's clients at once
         self.actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
         self.stats = SchedulerStats()
         self.recovery = Recovery(self, last_checkpoint=limits.start_version if limits.start_version > 0 else -1)
@@ -140,7 +140,7 @@ class Scheduler:
 
     def dispatch_group(self, clients: list[int]) -> list[Pending]:
         """Start the local updates of ``clients`` against the newest version, one Pending each, in
-        order. With ``resources.batch_clients: auto`` the clients one worker hosts go to it in one
+        order. With ``resources.batch_clients`` on or auto the clients one worker hosts go to it in one
         call, where they may step as one batched model; each still has its own entry."""
         if not self.batch_clients:
             return [self.dispatch(c) for c in clients]

@@ -87,7 +87,7 @@ def test_one_batched_step_equals_one_step_of_each_client(method):
     # a batch larger than every client's split: each local update is one step
     cfg, ds, part, public_x = _federation(method, "training.batch_size=512")
     first_off, *_ = _rounds(cfg, ds, part, public_x, "off", 1)
-    first_on, *_ = _rounds(cfg, ds, part, public_x, "auto", 1)
+    first_on, *_ = _rounds(cfg, ds, part, public_x, "on", 1)
     _assert_close(first_off, first_on, rtol=1e-5)
 
 
@@ -97,7 +97,7 @@ def test_batched_clients_equal_one_after_another_over_three_rounds(method):
     # default 0.01 flips on rounding (a test sample in 452 is 0.22 points)
     cfg, ds, part, public_x = _federation(method, "training.lr=0.05")
     _, metas_off, acc_off, _ = _rounds(cfg, ds, part, public_x, "off", 3)
-    _, metas_on, acc_on, _ = _rounds(cfg, ds, part, public_x, "auto", 3)
+    _, metas_on, acc_on, _ = _rounds(cfg, ds, part, public_x, "on", 3)
     assert abs(acc_off - acc_on) <= 0.2
     for off, on in zip(metas_off, metas_on, strict=True):
         assert [m["client_id"] for m in off] == [m["client_id"] for m in on]
@@ -231,10 +231,18 @@ def test_list_says_which_methods_batch(capsys):
     assert all("one client at a time" in lines[m] for m in ("fedsa", "fedsap", "fedprotokd"))
 
 
-def test_batch_clients_reads_off_from_yaml_and_names_the_allowed_values():
+def test_batch_clients_reads_off_and_on_from_yaml_and_names_the_allowed_values():
     from rayfed_proto.config import ConfigError
 
     assert build_config({}, ["resources.batch_clients=off"]).resources.batch_clients == "off"  # YAML's false
+    assert build_config({}, ["resources.batch_clients=on"]).resources.batch_clients == "on"  # YAML's true
     assert build_config({"resources": {"batch_clients": "auto"}}, []).resources.batch_clients == "auto"
-    with pytest.raises(ConfigError, match=r"resources.batch_clients.*'auto' or 'off'"):
-        build_config({}, ["resources.batch_clients=on"])
+    with pytest.raises(ConfigError, match=r"resources.batch_clients.*'auto', 'on' or 'off'"):
+        build_config({}, ["resources.batch_clients=yes please"])
+
+
+def test_auto_batches_on_accelerators_only():
+    from rayfed_proto.runtime.core import batches_on
+
+    assert batches_on("on", CPU) and not batches_on("auto", CPU) and not batches_on("off", CPU)
+    assert batches_on("auto", torch.device("cuda")) and not batches_on("off", torch.device("cuda"))
