@@ -378,6 +378,8 @@ class ClientHost:
         (:func:`batched.group_key`) step together as one batched model; the others, and every
         client with ``off``, train one after another."""
         keep_from = keep_from if keep_from is not None else [None] * len(clients)
+        if not batches_on(self.cfg.resources.batch_clients, self.device):  # each parked again after its update
+            return [self.train(c, state, k) for c, k in zip(clients, keep_from, strict=True)]
         for c, k in zip(clients, keep_from, strict=True):
             self._keep_before_update(c, k)
         results: dict[int, tuple[dict[str, Any], ClientUpdate]] = {}
@@ -396,8 +398,6 @@ class ClientHost:
 
     def _batch_groups(self, runners: dict[int, ClientRunner]) -> list[list[int]]:
         """The clients that step together (one list each), in client order of their first member."""
-        if not batches_on(self.cfg.resources.batch_clients, self.device):
-            return [[c] for c in runners]
         groups: dict[Any, list[int]] = {}
         for c, r in runners.items():
             alone = batched.batch_refusal(r.algorithm, r.model, r.optimizer) is not None
