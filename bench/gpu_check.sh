@@ -7,11 +7,18 @@
 #     bash bench/gpu_check.sh
 #
 # Steps, each under its own `timeout` and all under one overall budget (GPU_CHECK_BUDGET_S, default
-# 370 s; a step that would start with less than 20 s left is skipped), each going on after the
-# previous one failed:
+# 530 s, under 9 minutes; a step that would start with less than 20 s left is skipped), each going
+# on after the previous one failed, the newest questions first:
 #   env         nvidia-smi, Python / torch / ray versions, CUDA visible to torch
 #   smoke       Ray with 1 GPU: four actors on 0.25 GPU shares and one on none, each says what
 #               CUDA_VISIBLE_DEVICES and torch see and multiplies two matrices on its device
+#   layouts     the GPU test that both layouts agree (issue 36 item 2: `pytest -m gpu` on
+#               tests/integration/test_gpu_layouts.py; said and skipped where the file is absent)
+#   batched_htfe1, batched_htfe8
+#               bench/batched_clients.py --device cuda: 20 clients of HtFE1 (target >= 10x) and of
+#               HtFE8 (target >= 5x) stepping as one batched model against the sequential
+#               single-process loop on the same GPU, with each mode's peak GPU memory against a
+#               1/4 share (issue 36 item 4)
 #   tests       the unit tests about resource plans, GPU shares and device choice
 #   default     the default experiment (`rayfed-proto run`, FedTGP on digits, async), 2 server
 #               versions, one actor per client on a 1/21 GPU share, evaluated every version
@@ -20,14 +27,19 @@
 # MLflow is absent there, so every run goes with tracking.enabled=false (the bench scripts switch
 # it off themselves when `mlflow` cannot be imported). Everything lands in $OUT (the device tool
 # sets it; default /tmp/gpu_check_out): log.txt (the whole output), nvsmi.csv (GPU utilisation and
-# memory every 2 s), gpu_share.json/.md, round_time.json/.md, default_run.tgz.
+# memory every 2 s), layouts.txt, batched_htfe1.json, batched_htfe8.json, gpu_share.json/.md,
+# round_time.json/.md, default_run.tgz.
 #
-# Knobs (environment): STEPS (default "env smoke tests default gpu_share round_time"),
+# Knobs (environment): STEPS (default "env smoke layouts batched_htfe1 batched_htfe8 tests default
+# gpu_share round_time"),
 # GPU_CHECK_BUDGET_S, PYTHON (python3), WHL (.whl), SITE (/tmp/site), GPU_CHECK_PREPEND (a path put
 # before $SITE on PYTHONPATH: local validation only), GPU_CHECK_RAY_STOP (1: `ray stop --force`
 # after each step, which ends EVERY Ray process of the machine, so a step that timed out leaves no
 # actors holding the GPU; default 1 when OUT comes from the environment, as on the device tool's
-# machine, else 0), GPU_SHARE_ARGS, ROUND_TIME_ARGS.
+# machine, else 0), GPU_SHARE_ARGS, ROUND_TIME_ARGS, BATCHED_ARGS (bench/batched_clients.py's,
+# both groups). Dry run on a CPU machine (the GPU steps then say there is no GPU and stop):
+#     GPU_CHECK_RAY_STOP=0 STEPS="layouts batched_htfe1" BATCHED_ARGS="--samples 800 --clients 4 --rounds 1" \
+#       bash bench/gpu_check.sh          (never let a dry run on a shared machine stop its Ray processes)
 set -u
 T0=$(date +%s)
 export PYTHONUNBUFFERED=1 RAY_USAGE_STATS_ENABLED=0 PYTHONDONTWRITEBYTECODE=1
@@ -39,10 +51,11 @@ PY=${PYTHON:-python3}
 WHL=${WHL:-.whl}
 SITE=${SITE:-/tmp/site}
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
-BUDGET_S=${GPU_CHECK_BUDGET_S:-370}
-STEPS=${STEPS:-env smoke tests default gpu_share round_time}
+BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
+STEPS=${STEPS:-env smoke layouts batched_htfe1 batched_htfe8 tests default gpu_share round_time}
 GPU_SHARE_ARGS=${GPU_SHARE_ARGS:---rounds 3 --samples 10000}
 ROUND_TIME_ARGS=${ROUND_TIME_ARGS:---rounds 4 --samples 20000}
+BATCHED_ARGS=${BATCHED_ARGS:---rounds 2 --samples 6000}
 RESULTS=""
 
 echo "gpu_check: $(date -u +%FT%TZ) on $(hostname), budget ${BUDGET_S}s, steps: $STEPS"
@@ -160,10 +173,27 @@ default_run() {
   return $rc
 }
 
-export PY OUT WORK
-export -f env_info smoke unit_tests default_run
+layouts_test() {
+  local f=tests/integration/test_gpu_layouts.py
+  if [ ! -f "$f" ]; then
+    echo "layouts: $f is not in this tree; nothing run" | tee "$OUT/layouts.txt"
+    return 0
+  fi
+  "$PY" -m pytest -p no:cacheprovider -q -o addopts="" -m gpu -rs "$f" 2>&1 | tee "$OUT/layouts.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+export PY OUT WORK BATCHED_ARGS
+export -f env_info smoke unit_tests default_run layouts_test
 step env 60 env_info
 step smoke 90 smoke
+step layouts 150 layouts_test
+# shellcheck disable=SC2086
+step batched_htfe1 90 "$PY" bench/batched_clients.py --device cuda --group HtFE1 --actors 4 $BATCHED_ARGS \
+  --out "$OUT/batched_htfe1"
+# shellcheck disable=SC2086
+step batched_htfe8 150 "$PY" bench/batched_clients.py --device cuda --group HtFE8 --actors 4 $BATCHED_ARGS \
+  --out "$OUT/batched_htfe8"
 step tests 90 unit_tests
 step default 100 default_run
 # shellcheck disable=SC2086

@@ -22,6 +22,7 @@ checkout of HtFLlib) is printed and recorded beside it, where one was measured f
     .venv/bin/python bench/round_time.py --methods fedproto --rounds 3 --samples 10000   # a quick look
     .venv/bin/python bench/round_time.py --device cuda                               # on a GPU machine
     .venv/bin/python bench/round_time.py --reference both                            # and HtFLlib's loop
+    .venv/bin/python bench/round_time.py --batched --reference none --rounds 4       # batch_clients on against off
 
 Startup: the platform's is from its process start to the first local update returned (metric
 `startup_s`: Ray start, actors, data into the object store, model builds); the plain loop's is
@@ -71,15 +72,16 @@ def workload(args, method: str, tmp: Path) -> list[str]:
     return sets
 
 
-def run_platform(args, method: str, tmp: Path) -> dict:
+def run_platform(args, method: str, tmp: Path, extra: tuple[str, ...] = ()) -> dict:
     import pandas as pd
 
-    cmd = [sys.executable, "-m", "rayfed_proto.cli", "run"] + [f"--set={s}" for s in workload(args, method, tmp)]
+    cmd = [sys.executable, "-m", "rayfed_proto.cli", "run"] + [f"--set={s}" for s in workload(args, method, tmp)
+                                                               + list(extra)]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"platform run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    out = sorted((tmp / "runs").glob(f"*-{method}-synthetic"))[-1]
+    out = max((tmp / "runs").glob(f"*-{method}-synthetic"), key=lambda d: d.stat().st_mtime)  # this run's folder
     hist = pd.read_parquet(out / "history.parquet").sort_values("version")
     wall = hist["federation/wall_s"].tolist()
     rounds = [b - a for a, b in zip(wall, wall[1:], strict=False)]  # version v exists at wall_s[v]
@@ -104,7 +106,8 @@ def run_platform(args, method: str, tmp: Path) -> dict:
             "utilisation": float(hist["federation/slot_utilisation"].iloc[-1])}
 
 
-COLS = ["method", "rounds", "platform_round_s", "plain_round_s", "ratio", "platform_startup_s", "plain_startup_s",
+COLS = ["method", "rounds", "platform_round_s", "batched_round_s", "batched_speedup", "batched_acc_diff_pp",
+        "plain_round_s", "ratio", "platform_startup_s", "plain_startup_s",
         "platform_head_acc", "plain_head_acc", "acc_diff_pp", "platform_actors", "htfllib_model_flavour",
         "htfllib_model_round_s", "htfllib_model_ratio", "htfllib_model_over_real", "htfllib_model_head_acc"]
 CALIBRATION = Path(__file__).resolve().parent / "results" / "htfllib_calibration.json"
@@ -151,6 +154,10 @@ def _measure(args, method: str):
         if use_plain:
             print(f"[{method}] plain loop{' (after)' if args.bracket else ''} ...", flush=True)
             plains.append(run_plain(cfg, device=args.device, echo=echo, channels_last=args.plain_channels_last))
+        if args.batched:  # the same platform run with clients stepping as one batched model, in the same process
+            print(f"[{method}] platform run, resources.batch_clients=on ...", flush=True)
+            ours["batched"] = run_platform(args, method, tmp, ("resources.batch_clients=on",))
+            print(f"  batched rounds: {', '.join(f'{r:.1f}' for r in ours['batched']['round_s'])} s", flush=True)
         ht = None
         if args.reference in ("htfllib", "both"):
             flavour = args.htfllib_flavour or default_flavour(cfg)
@@ -187,6 +194,16 @@ def _row(args, method: str, ours: dict, plains: list, ht) -> dict:
          "platform_actors": ours["num_actors"], "platform_utilisation": round(ours["utilisation"], 3),
          "platform_rounds_s": [round(x, 2) for x in ours["round_s"]]}
     head = f"[{method}] median round (2..{args.rounds}): platform {r['platform_round_s']} s"
+    if "batched" in ours:
+        b = ours["batched"]
+        b_med = statistics.median(b["round_s"][1:] or b["round_s"])
+        r.update({"batched_round_s": round(b_med, 2), "batched_speedup": round(ours_med / b_med, 3),
+                  "batched_head_acc": round(b["head_acc"], 4),
+                  "batched_acc_diff_pp": round(100 * (b["head_acc"] - ours["head_acc"]), 2),
+                  "batched_rounds_s": [round(x, 2) for x in b["round_s"]]})
+        print(f"[{method}] batch_clients on: median round {r['batched_round_s']} s against off {r['platform_round_s']} s: "
+              f"speed-up {r['batched_speedup']}x; head acc {r['batched_head_acc']} ({r['batched_acc_diff_pp']:+} pp)",
+              flush=True)
     if plains:
         r.update(_plain_fields(ours, ours_med, plains))
         print(f"{head}, plain {r['plain_round_s']} s, ratio {r['ratio']}; head acc {r['platform_head_acc']} vs "
@@ -218,7 +235,10 @@ def main() -> None:
     ap.add_argument("--plain-channels-last", action="store_true",
                     help="the plain loop's models in channels_last (the platform's CPU default, training.memory_format) "
                     "instead of HtFLlib's contiguous layout: what the ratio owes to the layout alone")
-    ap.add_argument("--reference", choices=["plain", "htfllib", "both"], default="plain",
+    ap.add_argument("--batched", action="store_true",
+                    help="also run the platform with resources.batch_clients=on (after the default run, same "
+                    "process): batched_round_s and batched_speedup (off's median round over on's)")
+    ap.add_argument("--reference", choices=["plain", "htfllib", "both", "none"], default="plain",
                     help="the loop(s) the platform is measured against: bench/_plain.py's (bracketed), "
                     "bench/_htfllib.py's model of the HtFLlib/PFLlib loop (once, after the platform), or both")
     ap.add_argument("--htfllib-flavour", choices=FLAVOURS, default=None,

@@ -52,6 +52,7 @@ def cmd_list(args) -> int:
         print()
 
     section("algorithms", ALGORITHMS)
+    section("local update with resources.batch_clients auto", ALGORITHMS, _batching)
     section("datasets", DATASETS)
     section("partitioners", PARTITIONERS)
     section("model groups", MODEL_GROUPS, lambda g: ", ".join(MODEL_GROUPS.get(g)))
@@ -67,6 +68,16 @@ def cmd_list(args) -> int:
         for name, f in algo.Options.model_fields.items():
             print(f"  {name:<22} default {f.default!r:<10} {f.description or ''}")
     return 0
+
+
+def _batching(name: str) -> str:
+    """Whether a method's clients may step as one batched model (``resources.batch_clients``)."""
+    from rayfed_proto.algorithms import ALGORITHMS
+    from rayfed_proto.runtime.batched import method_refusal
+
+    refusal = method_refusal(ALGORITHMS.get(name).Client)
+    return "batched (clients of one architecture on a worker step together)" if refusal is None else \
+        f"one client at a time ({refusal})"
 
 
 # With --resume, --set may change how a run goes on, not what it is: the model, data, method and

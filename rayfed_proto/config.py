@@ -232,6 +232,11 @@ class ResourcesConfig(_Section):
     park_dir: Optional[str] = Field(
         None, min_length=1, description="park_to=disk: local folder on every worker node for the parked states "
         "(a subfolder per worker, removed when it ends); None: the node's temp folder")
+    batch_clients: Literal["auto", "on", "off"] = Field(
+        "off", description="on: clients of one architecture hosted by one worker and dispatched together (a sync "
+        "round) step as one vmapped model, when their method allows it (rayfed-proto list); results equal the "
+        "one-after-another ones within float tolerance, not bit for bit. auto: on for workers on an accelerator, "
+        "off on the CPU (slower there, docs/benchmarks.md). off: one client after another")
     client_num_cpus: Union[Auto, float] = "auto"
     client_num_gpus: Union[Auto, float] = "auto"
     server_num_cpus: Union[Auto, float] = "auto"
@@ -247,6 +252,11 @@ class ResourcesConfig(_Section):
     @classmethod
     def _per_actor(cls, v):
         return _auto_or_positive(v)
+
+    @field_validator("batch_clients", mode="before")
+    @classmethod
+    def _batch_clients(cls, v):
+        return {False: "off", True: "on"}.get(v, v) if isinstance(v, bool) else v  # YAML reads bare off/on as bools
 
     @field_validator("park_to")
     @classmethod

@@ -291,8 +291,27 @@ class ClientAlgorithm:
         Per method, following its reference code (``algorithm.prototype_source``)."""
         return getattr(self.options, "prototype_source", "eval")
 
+    # True when this client's local update is the default :meth:`local_train` (with at most a
+    # :meth:`begin_local_train` hook) around a :meth:`loss` that reads only the model, the batch
+    # and the received global state (the same for every client dispatched with that state, so one
+    # client's instance can compute it for all), draws no random numbers and reads nothing on the
+    # host (no ``.item()``, no branch on tensor values). Then clients of one architecture on one
+    # worker may step together as one vmapped model (``resources.batch_clients``,
+    # runtime/batched.py), equal to training one after another within float tolerance.
+    batchable: ClassVar[bool] = False
+
+    def begin_local_train(self, model, batches: TrainBatchIterator) -> None:
+        """Called once at the start of each local update, before the first step (the batched path
+        calls it too): what a method takes from the model as received (default: nothing)."""
+
+    def take_train_prototypes(self, protos: Optional[PrototypeSet]) -> None:
+        """The prototypes collected from this update's training passes (``prototype_source:
+        train``), for :meth:`make_update`."""
+        self._train_protos = protos
+
     def local_train(self, model, optimizer, batches: TrainBatchIterator, epochs: int, device) -> dict[str, float]:
         """Default local update: ``epochs`` passes of SGD on :meth:`loss`; returns mean terms."""
+        self.begin_local_train(model, batches)
         model.train()
         tally = StepTally()
         source = self.prototype_source()
@@ -308,7 +327,7 @@ class ClientAlgorithm:
                     if tally.step(model, optimizer, loss, terms) and record:
                         protos.add(yb)
         if protos is not None:
-            self._train_protos = protos.result(batches.y)
+            self.take_train_prototypes(protos.result(batches.y))
         return tally.result()
 
     def make_update(self, model, x: torch.Tensor, y: torch.Tensor) -> ClientUpdate:

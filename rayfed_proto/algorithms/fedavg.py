@@ -96,11 +96,12 @@ class FedAvgClient(ClientAlgorithm):
         if state.weights is not None:
             load_numpy_state(model, state.weights)
 
-    def local_train(self, model, optimizer, batches, epochs, device):
+    batchable = True  # CE on the received weights; FedLSA's and FedSC's losses read only the broadcast too
+
+    def begin_local_train(self, model, batches):
         # y_0: the model as received and loaded (receive runs before evaluation too, so the
         # snapshot is taken here, where only a training call comes)
         self._start = as_numpy_state(model) if self.options.async_policy == "fedbuff" else None
-        return super().local_train(model, optimizer, batches, epochs, device)
 
     @classmethod
     def update_work(cls, options, sizes: UpdateSizes) -> list[Pass]:
@@ -114,7 +115,7 @@ class FedAvgClient(ClientAlgorithm):
             start, self._start = self._start, None
             if start is None:
                 raise RuntimeError("async_policy 'fedbuff' uploads y_Q - y_0, but no local_train call recorded y_0 "
-                                   "(a subclass that overrides local_train must call FedAvgClient.local_train)")
+                                   "(a subclass that overrides local_train or begin_local_train must call FedAvgClient.begin_local_train)")
             weights = model_delta(weights, start)  # FedBuff Algorithm 1: Delta_i = y_Q - y_0 (our sign)
         return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y), weights=weights)
 

@@ -40,6 +40,7 @@ class PrototypeAlignmentClient(ClientAlgorithm):
     """CE plus lambda times the squared distance to the broadcast vector of each sample's class."""
 
     options: FedProtoOptions
+    batchable = True  # the loss reads the broadcast bank only (masked: no host reads)
 
     def loss(self, model, x, y):
         feats, logits = model.forward_features(x)

@@ -258,6 +258,8 @@ class FedSAClient(ClientAlgorithm):
     """Eq. 9 against the broadcast anchors; remembers its last uploaded prototypes for d_local."""
 
     options: FedSAOptions
+    # not batchable: Eq. 7's margin reads this client's own last upload (d_local), not only the broadcast
+    batchable = False
 
     def __init__(self, options, spec, client_id):
         super().__init__(options, spec, client_id)

@@ -217,7 +217,8 @@ class FedTGPClient(PrototypeAlignmentClient):
 
     options: FedTGPOptions
 
-    def local_train(self, model, optimizer, batches, epochs, device):
+    def begin_local_train(self, model, batches):
+        super().begin_local_train(model, batches)
         self._before_training: PrototypeSet | None = None
         if self.options.prototype_model == "before_training":
             # TsingZ0/FedTGP, HtFLlib system/flcore/clients/clienttgp.py, clientTGP.collect_protos: class
@@ -225,7 +226,6 @@ class FedTGPClient(PrototypeAlignmentClient):
             # previous train() saved, i.e. the weights this update starts from. Taken here, before the
             # first step (the eval pass draws no random numbers: the training that follows is unchanged)
             self._before_training = local_prototypes(model, batches.x, batches.y)
-        return super().local_train(model, optimizer, batches, epochs, device)
 
     def make_update(self, model, x, y) -> ClientUpdate:
         protos, self._before_training = getattr(self, "_before_training", None), None

@@ -115,7 +115,17 @@ class ClientActor:
 
     def train(self, client_id: int, state: GlobalState, keep_from: int | None = None):
         """A local update; ``keep_from``: the oldest state of the client an evaluation may still ask for."""
-        meta, update = self.host.train(client_id, state, keep_from)
+        return self._faulty(client_id, *self.host.train(client_id, state, keep_from))
+
+    def train_group(self, client_ids: list[int], state: GlobalState, keep_from: list[int | None]):
+        """Local updates of several clients against one state (``resources.batch_clients`` on or auto):
+        (meta, update) of each client in order, flattened, one return value each (the caller
+        asks for ``num_returns=2 * len(client_ids)``), each what :meth:`train` returns."""
+        results = self.host.train_group(client_ids, state, keep_from)
+        return tuple(x for c, (meta, update) in zip(client_ids, results, strict=True)
+                     for x in self._faulty(c, meta, update))
+
+    def _faulty(self, client_id: int, meta: dict[str, Any], update):
         if client_id in self.faults.corrupt_clients:  # fault injection (tests, chaos drills)
             update = corrupt_update(update, self.faults.corrupt_kind)
             meta["corrupted"] = True

@@ -7,6 +7,7 @@ tested in-process. Nothing here names an algorithm: the registry resolves ``algo
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -26,6 +27,7 @@ from rayfed_proto.config import ExperimentConfig, group_is_homogeneous
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
+from rayfed_proto.runtime import batched
 from rayfed_proto.runtime.parking import ParkedStates, resolve
 from rayfed_proto.runtime.policies import ServerNeeds
 
@@ -176,20 +178,39 @@ class ClientRunner:
             self.cuda_rng = torch.cuda.get_rng_state(self.device)
             torch.cuda.set_rng_state(outer[1], self.device)
 
+    @contextlib.contextmanager
+    def own_rng(self):
+        """This client's torch random stream in place of the process's, for the duration."""
+        outer = self._swap_rng()
+        try:
+            yield
+        finally:
+            self._restore_rng(outer)
+
     def train(self, state: GlobalState) -> tuple[dict[str, Any], ClientUpdate]:
         """Local update against ``state``: returns (small metadata for the driver, the upload)."""
         t0 = time.perf_counter()
-        outer = self._swap_rng()
-        try:
-            self.algorithm.receive(state, self.model)
-            self._reset_optimizer_if_fresh(state)
+        with self.own_rng():
+            self.begin_update(state)
             terms = self.algorithm.local_train(self.model, self.optimizer, self.batches, self.cfg.training.local_epochs,
                                                self.device)
-            update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
-            self.optimizer.zero_grad(set_to_none=True)  # gradients are not state: none held between updates
-        finally:
-            self._restore_rng(outer)
-        busy = time.perf_counter() - t0
+            update = self.end_update()
+        return self.finished(state, terms, update, time.perf_counter() - t0)
+
+    def begin_update(self, state: GlobalState) -> None:
+        """Before a local update's steps: take the broadcast in, reset the optimizer if fresh."""
+        self.algorithm.receive(state, self.model)
+        self._reset_optimizer_if_fresh(state)
+
+    def end_update(self) -> ClientUpdate:
+        """After a local update's steps: the upload."""
+        update = self.algorithm.make_update(self.model, self.train_x, self.train_y)
+        self.optimizer.zero_grad(set_to_none=True)  # gradients are not state: none held between updates
+        return update
+
+    def finished(self, state: GlobalState, terms: dict[str, float], update: ClientUpdate,
+                 busy: float) -> tuple[dict[str, Any], ClientUpdate]:
+        """Count the update done; (metadata for the driver, the upload)."""
         self.last_loss = terms.get("loss", float("nan"))
         self.updates += 1
         meta = {"client_id": self.client_id, "base_version": state.version, "busy_s": busy, "update": self.updates,
@@ -349,6 +370,41 @@ class ClientHost:
         finally:
             self._release(c, keep_state=True)
 
+    def train_group(self, clients: list[int], state: GlobalState,
+                    keep_from: Optional[list[Optional[int]]] = None) -> list[tuple[dict[str, Any], ClientUpdate]]:
+        """Local updates of ``clients`` against one ``state``, results in their order, each what
+        :meth:`train` returns. Where ``resources.batch_clients`` batches (:func:`batches_on`) the clients that can
+        (:func:`batched.batch_refusal`) and share an architecture and settings
+        (:func:`batched.group_key`) step together as one batched model; the others, and every
+        client with ``off``, train one after another."""
+        keep_from = keep_from if keep_from is not None else [None] * len(clients)
+        if not batches_on(self.cfg.resources.batch_clients, self.device):  # each parked again after its update
+            return [self.train(c, state, k) for c, k in zip(clients, keep_from, strict=True)]
+        for c, k in zip(clients, keep_from, strict=True):
+            self._keep_before_update(c, k)
+        results: dict[int, tuple[dict[str, Any], ClientUpdate]] = {}
+        try:
+            runners = {c: self._runner(c) for c in clients}
+            for group in self._batch_groups(runners):
+                if len(group) == 1:
+                    results[group[0]] = runners[group[0]].train(state)
+                else:
+                    results.update(zip(group, train_batched([runners[c] for c in group], state), strict=True))
+        finally:
+            for c in clients:
+                if c in self.live:
+                    self._release(c, keep_state=True)
+        return [results[c] for c in clients]
+
+    def _batch_groups(self, runners: dict[int, ClientRunner]) -> list[list[int]]:
+        """The clients that step together (one list each), in client order of their first member."""
+        groups: dict[Any, list[int]] = {}
+        for c, r in runners.items():
+            alone = batched.batch_refusal(r.algorithm, r.model, r.optimizer) is not None
+            key = ("alone", c) if alone else batched.group_key(r.algorithm, r.model, r.optimizer, r.batches)
+            groups.setdefault(key, []).append(c)
+        return list(groups.values())
+
     def evaluate(self, clients: list[int], state: GlobalState,
                  as_of: Optional[dict[int, int]] = None) -> list[dict[str, Any]]:
         """Each client's state after ``as_of[c]`` local updates (its newest without ``as_of``),
@@ -439,6 +495,35 @@ class ClientHost:
 
     def live_count(self) -> int:
         return len(self.live)
+
+
+def batches_on(batch_clients: str, device: torch.device) -> bool:
+    """Whether ``resources.batch_clients`` steps a worker's clients as one batched model on
+    ``device``: ``on`` everywhere, ``auto`` on accelerators only. On the CPU the vmapped update is
+    slower than one client after another (grouped NCHW convolutions and pools against per-client
+    channels_last ones, docs/benchmarks.md "Batched clients"); on a GPU, where a batch-10 step is
+    launch-bound, one launch for all clients is the point."""
+    return batch_clients == "on" or (batch_clients == "auto" and device.type != "cpu")
+
+
+def train_batched(runners: list[ClientRunner], state: GlobalState) -> list[tuple[dict[str, Any], ClientUpdate]]:
+    """Local updates of ``runners`` (one batched group, :meth:`ClientHost.train_group`) against
+    ``state`` as one vmapped model (:mod:`rayfed_proto.runtime.batched`); each result is what its
+    :meth:`ClientRunner.train` returns, within float tolerance. ``busy_s``: the group's time
+    shared equally among its clients."""
+    t0 = time.perf_counter()
+    for r in runners:
+        with r.own_rng():
+            r.begin_update(state)
+    lead = runners[0]
+    members = [batched.Member(r.algorithm, r.model, r.optimizer, r.batches) for r in runners]
+    terms = batched.train_together(members, lead.cfg.training.local_epochs, lead.device)
+    updates = []
+    for r in runners:
+        with r.own_rng():
+            updates.append(r.end_update())
+    busy = (time.perf_counter() - t0) / len(runners)
+    return [r.finished(state, t, u, busy) for r, t, u in zip(runners, terms, updates, strict=True)]
 
 
 def corrupt_update(update: ClientUpdate, kind: str) -> ClientUpdate:

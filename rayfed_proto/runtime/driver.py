@@ -544,7 +544,8 @@ def _make_scheduler(run: _Run, on_eval, on_version):
     hooks = Hooks(on_eval=handle_eval, on_version=handle_version, on_checkpoint=write_checkpoint,
                   restart_client_actor=restart_worker, restart_server=lambda: fleet.restart_server(run.echo))
     scheduler = Scheduler(run.policy, fleet.handles["server"], fleet.handles["actors"], run.groups, limits, hooks,
-                          ProgressWatch(cfg.reliability.max_consecutive_refusals, cfg.reliability.no_progress_timeout_s))
+                          ProgressWatch(cfg.reliability.max_consecutive_refusals, cfg.reliability.no_progress_timeout_s),
+                          batch_clients=cfg.resources.batch_clients != "off")
     fleet.handles["actors"] = scheduler.actors  # the scheduler replaces dead actors in this list
     if "scheduler" in run.driver_state:
         scheduler.load_state_dict(run.driver_state["scheduler"])

@@ -69,6 +69,8 @@ class Port(Protocol):
 
     def dispatch(self, client: int) -> Pending: ...  # a local update against the newest version
 
+    def dispatch_group(self, clients: list[int]) -> list[Pending]: ...  # several at once (one batched call per worker)
+
     def submit(self, p: Pending, meta: dict[str, Any]) -> None: ...  # hand an update over; the receipt comes back
 
     def hand_over(self, update: Any, client: int, meta: dict[str, Any]) -> bool: ...  # submit and take the receipt now; False: the server died
@@ -227,13 +229,13 @@ class SyncRounds(_Policy):
         if self.in_round or self.stepping or not self.port.accepting():
             return
         # Every client of the round is dispatched at once: each queues on its host actor, so a
-        # worker goes from one client to the next without waiting for the driver.
+        # worker goes from one client to the next without waiting for the driver (with
+        # resources.batch_clients auto, in one call per worker: its clients may step as one batch).
         chosen = self._sample()
         self.in_round, self.outstanding = True, len(chosen)
         self.round_end = self.round_start = self.clock.now if self.clock is not None else 0.0
         self.kept = 0
-        for c in chosen:
-            p = self.port.dispatch(c)
+        for c, p in zip(chosen, self.port.dispatch_group(chosen), strict=True):
             if self.clock is not None:
                 p.entry = self.clock.start(c, p, self.port.version)
 

@@ -102,13 +102,14 @@ class Scheduler:
     evaluate_first = False  # evaluations before the next dispatch: the measured alternative (bench/eval_placement.py)
 
     def __init__(self, policy: FederationPolicy, server, actors: list, actor_clients: list[list[int]], limits: Limits,
-                 hooks: Hooks, progress=None):
+                 hooks: Hooks, progress=None, batch_clients: bool = False):
         if progress is None:
             from rayfed_proto.runtime.progress import ProgressWatch
 
             progress = ProgressWatch()  # no limits
         self.policy, self.limits, self.hooks, self.progress = policy, limits, hooks, progress
         self.server, self.actors, self.actor_clients = server, actors, actor_clients
+        self.batch_clients = batch_clients  # resources.batch_clients on/auto: dispatch_group sends a worker's clients at once
         self.actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
         self.stats = SchedulerStats()
         self.recovery = Recovery(self, last_checkpoint=limits.start_version if limits.start_version > 0 else -1)
@@ -135,6 +136,30 @@ class Scheduler:
         a = self.actor_of[client]
         meta_ref, update_ref = self.actors[a].train.options(num_returns=2).remote(
             client, self.global_ref, self.evals.keep_from(client))
+        return self._training(client, a, meta_ref, update_ref)
+
+    def dispatch_group(self, clients: list[int]) -> list[Pending]:
+        """Start the local updates of ``clients`` against the newest version, one Pending each, in
+        order. With ``resources.batch_clients`` on or auto the clients one worker hosts go to it in one
+        call, where they may step as one batched model; each still has its own entry."""
+        if not self.batch_clients:
+            return [self.dispatch(c) for c in clients]
+        by_actor: dict[int, list[int]] = {}
+        for c in clients:
+            by_actor.setdefault(self.actor_of[c], []).append(c)
+        started: dict[int, Pending] = {}
+        for a, group in by_actor.items():
+            if len(group) == 1:
+                started[group[0]] = self.dispatch(group[0])
+                continue
+            refs = self.actors[a].train_group.options(num_returns=2 * len(group)).remote(
+                group, self.global_ref, [self.evals.keep_from(c) for c in group])
+            for c, meta_ref, update_ref in zip(group, refs[0::2], refs[1::2], strict=True):
+                started[c] = self._training(c, a, meta_ref, update_ref)
+        return [started[c] for c in clients]
+
+    def _training(self, client: int, a: int, meta_ref, update_ref) -> Pending:
+        """Count a started local update and enter it in the in-flight table."""
         self.stats.dispatched += 1
         self.stats.client_updates[client] = self.stats.client_updates.get(client, 0) + 1
         p = self.inflight[meta_ref] = Pending(self._on_update, "train", client=client, update_ref=update_ref, actor=a)

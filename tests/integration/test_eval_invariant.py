@@ -127,6 +127,9 @@ class _Replay:
         self.back.append((p, meta))  # comes back after the policy has set its simulated timing
         return p
 
+    def dispatch_group(self, clients):
+        return [self.dispatch(c) for c in clients]
+
     def hand_over(self, update, client: int, meta: dict) -> bool:
         receipt = self.server.submit(update)
         self.handed[client] = self.after[client, meta["update"]]

@@ -112,3 +112,20 @@ def test_thousand_clients_keep_only_the_training_ones_materialised(ray_session, 
     assert 50 <= len(ckpt.manifest["clients"]) <= 100
     assert result.history[-1]["eval/head_acc"] > 0
     assert ray.is_initialized()
+
+
+def test_batched_clients_run_gives_the_one_after_another_accuracies(ray_session, tracking):
+    """resources.batch_clients on: each worker's two clients (one architecture) step as one
+    vmapped model; the run's accuracies equal the one-after-another run's within 0.2 points."""
+    _, track = tracking
+    common = [s for s in SMALL if not s.startswith("model.group")] + track + [
+        "model.group=HtFE1", "data.image_size=8", "training.lr=0.05", "federation.mode=sync", "federation.rounds=2",
+        "federation.participation=1.0"]
+    runs = {mode: run_experiment(build_config({}, common + [f"resources.batch_clients={mode}"]), **QUIET)
+            for mode in ("off", "on")}
+    assert sorted(len(w["clients"]) for w in _workers(runs["on"])) == [2, 2]  # groups of two to batch
+    off, auto = runs["off"].history, runs["on"].history
+    assert len(off) == len(auto) == 3 and off[-1]["eval/head_acc"] > 0.3
+    for a, b in zip(off, auto, strict=True):
+        assert abs(a["eval/head_acc"] - b["eval/head_acc"]) <= 0.002  # 0.2 points
+        assert a["federation/updates_accepted"] == b["federation/updates_accepted"]

@@ -65,6 +65,9 @@ class FakePort:
         p = self.in_flight[client] = Pending(handler=None, kind="train", client=client)
         return p
 
+    def dispatch_group(self, clients):
+        return [self.dispatch(c) for c in clients]
+
     def submit(self, p: Pending, meta: dict[str, Any]) -> None:
         self.log.append(("submit", p.client))
         self.in_flight.pop(p.client)

@@ -246,6 +246,9 @@ class Port:
         self.dispatched.append(client)
         return Pending(lambda *a: None, "train", client=client)
 
+    def dispatch_group(self, clients):
+        return [self.dispatch(c) for c in clients]
+
     def eligible(self, one_per_actor=False):
         return list(range(self.n))
 
