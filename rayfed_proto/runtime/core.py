@@ -139,10 +139,14 @@ class ClientRunner:
     def __init__(self, cfg: ExperimentConfig, split: ClientSplit, dataset: ArrayDataset, device: torch.device,
                  public_x: Optional[torch.Tensor] = None):
         self.cfg, self.client_id, self.device = cfg, split.client_id, device
-        torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # distinct, reproducible initialisation
-        self.model = build_client_model(cfg.model.group, split.client_id, dataset.channels, dataset.image_size,
-                                        dataset.num_classes, cfg.model.feature_dim, cfg.model.projector,
-                                        cfg.model.normalize_features).to(device, memory_format=memory_format(cfg, device))
+        # The client's own torch RNG stream starts here (seeded with its id); model.init: per_client also
+        # draws the initial weights from it, shared draws them from the run's seed, one model per architecture.
+        torch.manual_seed(cfg.seed * 100_003 + split.client_id)
+        m = cfg.model
+        self.model = build_client_model(m.group, split.client_id, dataset.channels, dataset.image_size,
+                                        dataset.num_classes, m.feature_dim, m.projector, m.normalize_features,
+                                        shared_seed=cfg.seed if m.init == "shared" else None,
+                                        ).to(device, memory_format=memory_format(cfg, device))
         self.optimizer = make_optimizer(cfg, self.model)
         algo = ALGORITHMS.get(cfg.algorithm.name)
         spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size, public_x)
