@@ -26,6 +26,7 @@ from rayfed_proto.config import ExperimentConfig, group_is_homogeneous
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
+from rayfed_proto.runtime.determinism import apply_determinism
 from rayfed_proto.runtime.parking import ParkedStates, resolve
 from rayfed_proto.runtime.policies import ServerNeeds
 
@@ -139,6 +140,7 @@ class ClientRunner:
     def __init__(self, cfg: ExperimentConfig, split: ClientSplit, dataset: ArrayDataset, device: torch.device,
                  public_x: Optional[torch.Tensor] = None):
         self.cfg, self.client_id, self.device = cfg, split.client_id, device
+        apply_determinism(cfg.resources.deterministic)  # in-process runs; a client actor applied it already
         # The client's own torch RNG stream starts here (seeded with its id); model.init: per_client also
         # draws the initial weights from it, shared draws them from the run's seed, one model per architecture.
         torch.manual_seed(cfg.seed * 100_003 + split.client_id)
@@ -550,6 +552,7 @@ class ServerCore:
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
                  device: torch.device, needs: ServerNeeds, global_test: Optional[EvalSet] = None,
                  public_x: Optional[torch.Tensor] = None):
+        apply_determinism(cfg.resources.deterministic)  # in-process runs; the server actor applied it already
         self.cfg = cfg
         self.device = device
         self.global_test = global_test
