@@ -137,7 +137,7 @@ def register_backbone(name: str, help: str) -> Callable[[BackboneFactory], Backb
     """Decorator: register a backbone factory under ``name`` in ``ARCHITECTURES`` as a ``ProtoModel`` builder.
 
     The factory is ``(in_channels, image_size) -> nn.Module`` mapping (B, C, H, W) images to flat
-    (B, backbone_dim); the projection to ``feature_dim`` and the head are added here, and
+    (B, backbone_dim); the projector to ``feature_dim`` (``model.projector``) and the head are added here, and
     ``backbone_dim`` is measured with a dry run. Plug-in packages (entry point group
     ``rayfed_proto.models``) use it as the built-ins do.
     """
