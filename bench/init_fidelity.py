@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--reference", action="store_true", help="also run the model of HtFLlib's loop per setting")
+    ap.add_argument("--settings", nargs="+", default=[f"{i}:{p}" for i, p in SETTINGS],
+                    help="INIT:PROJECTOR pairs to run (default: all four)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -44,7 +46,7 @@ def main() -> None:
             "training.batch_size=10", "training.local_epochs=1", "federation.num_clients=20",
             "federation.mode=sync", "federation.participation=1.0", f"federation.rounds={args.rounds}"]
     rows = []
-    for init, projector in SETTINGS:
+    for init, projector in (s.split(":") for s in args.settings):
         cfg = build_config({}, base + [f"model.init={init}", f"model.projector={projector}"])
         loops = [("plain (= platform)", run_plain)]
         if args.reference:
