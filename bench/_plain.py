@@ -40,7 +40,7 @@ class PlainResult:
 def _batches(n: int, batch_size: int, gen: torch.Generator):
     order = torch.randperm(n, generator=gen)
     chunks = list(torch.split(order, batch_size))
-    if len(chunks) > 1 and len(chunks[-1]) == 1:  # as the platform: a lone last sample joins the previous batch
+    if len(chunks) > 1 and len(chunks[-1]) < batch_size:  # as the platform: an incomplete last batch joins the previous
         last = chunks.pop()
         chunks[-1] = torch.cat([chunks[-1], last])
     return chunks
