@@ -66,7 +66,7 @@ class ProtoModel(nn.Module):
 
     Caveat for trainers: extractors with BatchNorm (googlenet, mobilenet_v2, the resnets) end in
     1x1 maps at 32x32 and below, and BatchNorm cannot train on one value per channel, so a
-    training batch of a single sample raises, and one of two or three samples can take a step
+    training batch of a single sample raises, and one of two samples can take a step
     that makes the eval-mode features overflow (docs/benchmarks.md, "On a GPU"):
     ``algorithms.base.TrainBatchIterator`` folds any incomplete last batch into the previous one.
     """
