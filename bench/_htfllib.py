@@ -3,7 +3,7 @@ repo's workload in one process, every per-sample Python loop of theirs kept. It 
 code; ``bench/results/htfllib_calibration.md`` gives how far its round time is from the real
 HtFLlib code's on the same partition and model. ``bench/_plain.py`` stays the primary reference
 (vectorised, the fairer and faster one); this one answers "against the loop people actually use",
-on the same workload (cfg, partition, per-client initial models, lambda).
+on the same workload (cfg, partition, initial models, lambda).
 
 Two flavours (``run_htfllib(..., flavour=)``):
 
@@ -72,10 +72,11 @@ Followed for ``"pfllib"``, read in the stored copies of github.com/TsingZ0/PFLli
 
 Where both flavours depart, necessarily or by choice:
 
-- Models: our ``ProtoModel`` (built by ``build_client_model`` with ``_plain.py``'s per-client
-  seeds; FedAvg's global model from the platform's server spec), its ``features()`` standing for
+- Models: our ``ProtoModel`` (built by ``build_client_model`` with ``_plain.py``'s initial
+  weights; FedAvg's global model from the platform's server spec), its ``features()`` standing for
   ``BaseHeadSplit.base`` and its ``head`` for ``.head``. HtFLlib seeds every client's model with
-  ``torch.manual_seed(0)``; we keep ``_plain.py``'s seeds so accuracies compare.
+  ``torch.manual_seed(0)``: ``model.init: shared`` (the default) is that rule with the run's seed;
+  we follow ``model.init`` as ``_plain.py`` does so accuracies compare.
 - SGD takes the config's lr / momentum / weight decay (theirs: lr only; equal at the workload's
   momentum 0, weight decay 0); lr decay off, as their default.
 - Data: ``"pfllib"`` takes the client's tensors from ``load_dataset`` / ``make_partition`` in
@@ -309,14 +310,15 @@ def aggregate_parameters(uploads):
 
 
 def _clients(cfg: ExperimentConfig, ds, part, dev) -> list[_Client]:
-    """Per-client models as ``_plain.py`` builds them (same seeds), contiguous, as HtFLlib's."""
+    """Per-client models as ``_plain.py`` builds them (same ``model.init``), contiguous, as HtFLlib's."""
     m, t = cfg.model, cfg.training
     proto = cfg.algorithm.name != "fedavg"
     out = []
     for split in part.clients:
         torch.manual_seed(cfg.seed * 100_003 + split.client_id)
         model = build_client_model(m.group, split.client_id, ds.channels, ds.image_size, ds.num_classes, m.feature_dim,
-                                   m.projector, m.normalize_features).to(dev)
+                                   m.projector, m.normalize_features,
+                                   shared_seed=cfg.seed if m.init == "shared" else None).to(dev)
         opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
         args = (split.client_id, model, opt, *ds.tensors(split.train_idx), *ds.tensors(split.test_idx),
                 t.batch_size, t.local_epochs, ds.num_classes, dev)

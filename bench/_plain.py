@@ -3,7 +3,7 @@ federated loop, the way HtFLlib/PFLlib-style simulators run one (each client in 
 computes its prototypes, is evaluated; then the server aggregates), with torch's default thread
 count and nothing of this platform's runtime (no Ray, no guarded step, no checkpoints, no MLflow).
 
-It runs the same workload as the platform: the same partition, the same per-client initial
+It runs the same workload as the platform: the same partition, the same initial
 models (same seeds), the same batch order (the same seeded permutation per client), the same
 loss (CE, plus lambda times the mean squared distance to the global prototype for FedProto) and
 the same SGD, so its accuracy is the one the platform must match. Prototypes are collected from
@@ -40,7 +40,7 @@ class PlainResult:
 def _batches(n: int, batch_size: int, gen: torch.Generator):
     order = torch.randperm(n, generator=gen)
     chunks = list(torch.split(order, batch_size))
-    if len(chunks) > 1 and len(chunks[-1]) == 1:  # as the platform: a lone last sample joins the previous batch
+    if len(chunks) > 1 and len(chunks[-1]) < batch_size:  # as the platform: an incomplete last batch joins the previous
         last = chunks.pop()
         chunks[-1] = torch.cat([chunks[-1], last])
     return chunks
@@ -62,9 +62,10 @@ def run_plain(cfg: ExperimentConfig, device: str = "cpu", echo=print, channels_l
     m, t = cfg.model, cfg.training
     clients = []
     for split in part.clients:
-        torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # the platform's per-client initialisation
+        torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # the platform's initialisation (ClientRunner)
         model = build_client_model(m.group, split.client_id, ds.channels, ds.image_size, ds.num_classes, m.feature_dim,
-                                   m.projector, m.normalize_features).to(dev, memory_format=layout)
+                                   m.projector, m.normalize_features, shared_seed=cfg.seed if m.init == "shared" else None,
+                                   ).to(dev, memory_format=layout)
         opt = torch.optim.SGD(model.parameters(), lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
         x, y = ds.tensors(split.train_idx)
         tx, ty = ds.tensors(split.test_idx)

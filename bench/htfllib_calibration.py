@@ -81,7 +81,7 @@ def install_shims(cfg, ds_channels: int, image_size: int, num_classes: int) -> N
             super().__init__()
             torch.manual_seed(cfg.seed * 100_003 + cid)
             model = build_client_model(m.group, cid, ds_channels, image_size, num_classes, m.feature_dim, m.projector,
-                                       m.normalize_features)
+                                       m.normalize_features, shared_seed=cfg.seed if m.init == "shared" else None)
             assert not model.normalize
             self.base = nn.Sequential(model.backbone, model.projection)
             self.head = model.head

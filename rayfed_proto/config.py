@@ -155,8 +155,14 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     group: str = "small_hetero"
     feature_dim: int = Field(512, ge=2)
-    projector: Literal["linear", "mlp"] = Field(
-        "linear", description="extractor -> feature_dim: one Linear, or Linear-ReLU-Linear (FedLSA's phi)")
+    projector: Literal["pool", "linear", "mlp"] = Field(
+        "pool", description="extractor -> feature_dim: pool = nn.AdaptiveAvgPool1d(feature_dim) over the extractor's "
+        "flat output, no parameters (HtFLlib's BaseHeadSplit, the reference models of FedProto, FedTGP and FedSA); "
+        "linear = one learnable Linear; mlp = Linear-ReLU-Linear (FedLSA's phi)")
+    init: Literal["shared", "per_client"] = Field(
+        "shared", description="initial weights: shared = every client of one architecture starts from the same "
+        "weights, drawn from the run's seed (HtFLlib seeds torch with 0 before building each client's model; PFLlib "
+        "copies one model to every client); per_client = each client's own draw (seeded with its id)")
     normalize_features: bool = Field(False, description="L2-normalise features before the head (hyperspherical methods)")
 
 
@@ -247,6 +253,10 @@ class ResourcesConfig(_Section):
         None, gt=0, description="plan the shares for a cluster of this many CPUs (an autoscaling cluster that starts "
         "without workers: what its workers will bring); None: the cluster's CPUs now, or its launcher config's node types")
     cluster_gpus: Optional[float] = Field(None, ge=0, description="like cluster_cpus, for GPUs")
+    deterministic: bool = Field(
+        False, description="deterministic kernels in every process that trains or evaluates a model: "
+        "torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG=:4096:8, no cuDNN benchmark; slower "
+        "on a GPU, no measurable cost on the CPU")
 
     @field_validator("clients_per_actor")
     @classmethod

@@ -120,8 +120,13 @@ class TrainBatchIterator:
     def epoch(self):
         order = torch.randperm(len(self.y), generator=self.generator)
         chunks = list(torch.split(order, self.batch_size))
-        if len(chunks) > 1 and len(chunks[-1]) == 1:
-            # BatchNorm cannot train on one sample (ResNets reach 1x1 maps): fold it into the previous batch
+        if len(chunks) > 1 and len(chunks[-1]) < self.batch_size:
+            # An incomplete last batch joins the previous one (batches of batch_size .. 2 x batch_size - 1).
+            # BatchNorm cannot train on one sample (ResNets reach 1x1 maps at 32x32), and on two or three
+            # its batch statistics are nearly degenerate: in the CPU run of bench/gpu_share.py's workload
+            # (FedProto, HtFE8, Dirichlet 0.1) one step on a trailing batch of 2 moved a ResNet-101's
+            # largest BatchNorm weight from 1.2 to 330, and its eval-mode features overflowed to inf.
+            # HtFLlib drops that batch instead (clientbase.py load_train_data, drop_last=True).
             last = chunks.pop()
             chunks[-1] = torch.cat([chunks[-1], last])
         for idx in chunks:

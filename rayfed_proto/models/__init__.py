@@ -1,6 +1,7 @@
-"""Model zoo: every model is feature extractor -> projection to ``feature_dim`` -> linear head.
+"""Model zoo: every model is feature extractor -> projector to ``feature_dim`` -> linear head.
 
-``ARCHITECTURES``: name -> builder ``(in_channels, image_size, num_classes, feature_dim) -> ProtoModel``.
+``ARCHITECTURES``: name -> builder ``(in_channels, image_size, num_classes, feature_dim, projector, normalize)
+-> ProtoModel``; the projector is by default ``pool`` (HtFLlib's ``BaseHeadSplit``), see ``zoo``.
 ``MODEL_GROUPS``: name -> list of architecture names; client i gets ``archs[i % len(archs)]``.
 
 Importing this package registers the built-ins (``zoo``), then imports every entry point of
@@ -14,6 +15,7 @@ ARCHITECTURES: Registry = Registry("architecture")
 MODEL_GROUPS: Registry = Registry("model group")
 
 from rayfed_proto.models.zoo import (  # noqa: E402
+    PROJECTORS,
     ProtoModel,
     arch_for_client,
     build_client_model,
@@ -24,5 +26,5 @@ from rayfed_proto.models.zoo import (  # noqa: E402
 # after the built-ins and the public names above, so plug-ins can import them from here
 load_plugins("rayfed_proto.models", "model")
 
-__all__ = ["ARCHITECTURES", "MODEL_GROUPS", "ProtoModel", "build_model", "build_client_model", "arch_for_client",
+__all__ = ["ARCHITECTURES", "MODEL_GROUPS", "PROJECTORS", "ProtoModel", "build_model", "build_client_model", "arch_for_client",
            "register_backbone"]

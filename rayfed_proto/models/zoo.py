@@ -1,9 +1,17 @@
-"""Architectures and model groups: every client model is extractor -> projection -> linear head.
+"""Architectures and model groups: every client model is extractor -> projector -> linear head.
 
 Prototype methods (FedProto, FedTGP, FedSA, ...) compare features across clients whose
-extractors differ, so every model here ends its extractor in a projection to one shared
+extractors differ, so every model here ends its extractor in a projector to one shared
 ``feature_dim`` before a linear head; the head is what the methods' classifier losses train and
-the projection output is what they average into prototypes.
+the projector's output is what they average into prototypes.
+
+The projector (``model.projector``) is by default the reference implementations' one:
+``pool``, HtFLlib's ``BaseHeadSplit`` (system/flcore/trainmodel/models.py), which replaces the
+extractor's last layer with ``nn.AdaptiveAvgPool1d(feature_dim)``, no learnable layer: the
+features are the extractor's flat output (the FedAvg CNN's fc1 after ReLU, a ResNet's pooled
+and flattened map) averaged down (or repeated up) to ``feature_dim`` widths. ``linear`` (one
+learnable ``nn.Linear(backbone_dim, feature_dim)``) and ``mlp`` (Linear-ReLU-Linear, FedLSA's
+phi) are the learnable options.
 
 Architectures (``ARCHITECTURES``) adapt to the dataset: the first convolution takes the
 dataset's channels, and the width of the extractor's flat output (``backbone_dim``) is measured
@@ -21,6 +29,7 @@ points in group ``rayfed_proto.models`` (loaded by ``rayfed_proto.models`` after
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Optional
 
 import torch
 from torch import nn
@@ -31,24 +40,39 @@ BackboneFactory = Callable[[int, int], nn.Module]
 """``(in_channels, image_size) -> module`` mapping (B, C, H, W) images to flat (B, backbone_dim)."""
 
 
-class ProtoModel(nn.Module):
-    """Feature extractor -> linear projection to ``feature_dim`` -> linear head.
+PROJECTORS = ("pool", "linear", "mlp")
+"""``model.projector`` choices; ``pool`` (the reference models' pooling) is the default."""
 
-    **Decision**: the FedSA paper reaches its common K=512 with an average pooling after each
-    extractor; we use a learnable ``nn.Linear(backbone_dim, feature_dim)`` instead, as the issue
-    asks ("feature extractor + projection to feature_dim + linear head"): it works for any
-    ``backbone_dim`` (pooling 1280 or 2048 widths down to 512 would mix unrelated channels) and
-    lets ``feature_dim`` be chosen freely. There is no ReLU after the projection: prototype
-    methods compare raw features, and HtFLlib likewise feeds the pooled features straight to
-    the head.
+
+class ProtoModel(nn.Module):
+    """Feature extractor -> projector to ``feature_dim`` -> linear head.
+
+    Projectors (``projector``):
+
+    - ``pool`` (default): ``nn.AdaptiveAvgPool1d(feature_dim)`` over the extractor's flat
+      (B, backbone_dim) output, no parameters. This is HtFLlib's ``BaseHeadSplit``
+      (system/flcore/trainmodel/models.py), on which FedProto's, FedTGP's and FedSA's
+      heterogeneous-model results run: it replaces the extractor's last layer (``fc`` or
+      ``classifier``) by this pooling. For the FedAvg CNN (backbone_dim 512) at
+      ``feature_dim`` 512 the features are its fc1 output after ReLU, unchanged; a ResNet-50's
+      2048 pooled channels are averaged in groups of 4; a width below ``feature_dim`` (the
+      small CPU models' 128) is repeated up to it, as the reference's pooling does.
+    - ``linear``: a learnable ``nn.Linear(backbone_dim, feature_dim)``: any ``backbone_dim``
+      mapped to any ``feature_dim`` by a trained map instead of channel averages.
+    - ``mlp``: Linear-ReLU-Linear, FedLSA's 2-layer projector phi.
+
+    There is no ReLU after the projector: prototype methods compare raw features, and HtFLlib
+    likewise feeds the pooled features straight to the head.
 
     Caveat for trainers: extractors with BatchNorm (googlenet, mobilenet_v2, the resnets) end in
     1x1 maps at 32x32 and below, and BatchNorm cannot train on one value per channel, so a
-    training batch of a single sample raises; drop such trailing batches.
+    training batch of a single sample raises, and one of two samples can take a step
+    that makes the eval-mode features overflow (docs/benchmarks.md, "On a GPU"):
+    ``algorithms.base.TrainBatchIterator`` folds any incomplete last batch into the previous one.
     """
 
     def __init__(self, arch: str, backbone: nn.Module, backbone_dim: int, feature_dim: int, num_classes: int,
-                 projector: str = "linear", normalize: bool = False):
+                 projector: str = "pool", normalize: bool = False):
         super().__init__()
         self.arch = arch
         self.backbone_dim = backbone_dim
@@ -56,13 +80,7 @@ class ProtoModel(nn.Module):
         self.num_classes = num_classes
         self.normalize = normalize
         self.backbone = backbone
-        if projector == "linear":
-            self.projection: nn.Module = nn.Linear(backbone_dim, feature_dim)
-        elif projector == "mlp":  # FedLSA's 2-layer projector phi
-            self.projection = nn.Sequential(nn.Linear(backbone_dim, feature_dim), nn.ReLU(inplace=True),
-                                            nn.Linear(feature_dim, feature_dim))
-        else:
-            raise ValueError(f"projector must be 'linear' or 'mlp', got {projector!r}")
+        self.projection = _projector(projector, backbone_dim, feature_dim)
         self.head = nn.Linear(feature_dim, num_classes)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +100,18 @@ class ProtoModel(nn.Module):
     def extra_repr(self) -> str:
         return (f"arch={self.arch!r}, backbone_dim={self.backbone_dim}, feature_dim={self.feature_dim}"
                 + (", normalize=True" if self.normalize else ""))
+
+
+def _projector(kind: str, backbone_dim: int, feature_dim: int) -> nn.Module:
+    """The module from the extractor's flat output to the features (see :class:`ProtoModel`)."""
+    if kind == "pool":  # HtFLlib BaseHeadSplit: the last layer replaced by nn.AdaptiveAvgPool1d(feature_dim)
+        return nn.AdaptiveAvgPool1d(feature_dim)  # on (B, D) it pools along D, per sample
+    if kind == "linear":
+        return nn.Linear(backbone_dim, feature_dim)
+    if kind == "mlp":  # FedLSA's 2-layer projector phi
+        return nn.Sequential(nn.Linear(backbone_dim, feature_dim), nn.ReLU(inplace=True),
+                             nn.Linear(feature_dim, feature_dim))
+    raise ValueError(f"projector must be one of {', '.join(map(repr, PROJECTORS))}, got {kind!r}")
 
 
 def _output_dim(arch: str, backbone: nn.Module, in_channels: int, image_size: int) -> int:
@@ -109,14 +139,14 @@ def register_backbone(name: str, help: str) -> Callable[[BackboneFactory], Backb
     """Decorator: register a backbone factory under ``name`` in ``ARCHITECTURES`` as a ``ProtoModel`` builder.
 
     The factory is ``(in_channels, image_size) -> nn.Module`` mapping (B, C, H, W) images to flat
-    (B, backbone_dim); the projection to ``feature_dim`` and the head are added here, and
+    (B, backbone_dim); the projector to ``feature_dim`` (``model.projector``) and the head are added here, and
     ``backbone_dim`` is measured with a dry run. Plug-in packages (entry point group
     ``rayfed_proto.models``) use it as the built-ins do.
     """
 
     def decorator(make_backbone: BackboneFactory) -> BackboneFactory:
         def builder(in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
-                    projector: str = "linear", normalize: bool = False) -> ProtoModel:
+                    projector: str = "pool", normalize: bool = False) -> ProtoModel:
             backbone = make_backbone(in_channels, image_size)
             dim = _output_dim(name, backbone, in_channels, image_size)
             return ProtoModel(name, backbone, dim, feature_dim, num_classes, projector, normalize)
@@ -293,7 +323,7 @@ MODEL_GROUPS.add(
 
 
 def build_model(arch: str, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
-                projector: str = "linear", normalize: bool = False) -> ProtoModel:
+                projector: str = "pool", normalize: bool = False) -> ProtoModel:
     """An untrained ``arch`` for ``in_channels`` x ``image_size`` x ``image_size`` images.
 
     Raises ``UnknownNameError`` (listing the allowed names) for an unregistered ``arch`` and
@@ -317,8 +347,20 @@ def arch_for_client(group: str, client_id: int) -> str:
 
 def build_client_model(
     group: str, client_id: int, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
-    projector: str = "linear", normalize: bool = False,
+    projector: str = "pool", normalize: bool = False, shared_seed: Optional[int] = None,
 ) -> ProtoModel:
-    """The untrained model of client ``client_id`` in ``group``."""
-    return build_model(arch_for_client(group, client_id), in_channels, image_size, num_classes, feature_dim,
-                       projector, normalize)
+    """The untrained model of client ``client_id`` in ``group``.
+
+    Initial weights: with ``shared_seed`` (``model.init: shared``) every client of one
+    architecture gets the same ones, drawn from ``torch.manual_seed(shared_seed)`` inside
+    ``torch.random.fork_rng`` (the caller's torch RNG is left as it was), as HtFLlib seeds torch
+    with 0 right before it builds each client's model (system/flcore/clients/clientbase.py,
+    ``Client.__init__``); without it (``per_client``) they are drawn from torch's global RNG
+    as it stands, which the caller seeds per client.
+    """
+    arch = arch_for_client(group, client_id)
+    if shared_seed is None:
+        return build_model(arch, in_channels, image_size, num_classes, feature_dim, projector, normalize)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(shared_seed)
+        return build_model(arch, in_channels, image_size, num_classes, feature_dim, projector, normalize)

@@ -25,6 +25,7 @@ from rayfed_proto.config import ExperimentConfig, build_config
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import GlobalState
 from rayfed_proto.runtime.core import ClientHost, EvalSet, ServerCore, corrupt_update
+from rayfed_proto.runtime.determinism import apply_determinism
 from rayfed_proto.runtime.parking import ParkedStates
 from rayfed_proto.runtime.policies import ServerNeeds
 
@@ -98,6 +99,7 @@ class ClientActor:
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
         self.cfg: ExperimentConfig = build_config(cfg_dict)
+        apply_determinism(self.cfg.resources.deterministic)  # before this process's first CUDA call
         self.device = pick_device()
         leave_out_triton_on_cpu(self.device)
         self.host: ClientHost | None = None
@@ -209,9 +211,10 @@ class ServerActor:
         takes only what it holds (global test set, public set); never read from disk here."""
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
+        cfg = build_config(cfg_dict)
+        apply_determinism(cfg.resources.deterministic)  # before this process's first CUDA call
         self.device = pick_device()
         leave_out_triton_on_cpu(self.device)
-        cfg = build_config(cfg_dict)
         global_test = public_x = None
         if dataset is not None and global_test_idx is not None and len(global_test_idx):
             global_test = EvalSet.from_dataset(dataset, global_test_idx)

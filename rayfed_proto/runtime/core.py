@@ -28,6 +28,7 @@ from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
 from rayfed_proto.runtime import batched
+from rayfed_proto.runtime.determinism import apply_determinism
 from rayfed_proto.runtime.parking import ParkedStates, resolve
 from rayfed_proto.runtime.policies import ServerNeeds
 
@@ -141,10 +142,15 @@ class ClientRunner:
     def __init__(self, cfg: ExperimentConfig, split: ClientSplit, dataset: ArrayDataset, device: torch.device,
                  public_x: Optional[torch.Tensor] = None):
         self.cfg, self.client_id, self.device = cfg, split.client_id, device
-        torch.manual_seed(cfg.seed * 100_003 + split.client_id)  # distinct, reproducible initialisation
-        self.model = build_client_model(cfg.model.group, split.client_id, dataset.channels, dataset.image_size,
-                                        dataset.num_classes, cfg.model.feature_dim, cfg.model.projector,
-                                        cfg.model.normalize_features).to(device, memory_format=memory_format(cfg, device))
+        apply_determinism(cfg.resources.deterministic)  # in-process runs; a client actor applied it already
+        # The client's own torch RNG stream starts here (seeded with its id); model.init: per_client also
+        # draws the initial weights from it, shared draws them from the run's seed, one model per architecture.
+        torch.manual_seed(cfg.seed * 100_003 + split.client_id)
+        m = cfg.model
+        self.model = build_client_model(m.group, split.client_id, dataset.channels, dataset.image_size,
+                                        dataset.num_classes, m.feature_dim, m.projector, m.normalize_features,
+                                        shared_seed=cfg.seed if m.init == "shared" else None,
+                                        ).to(device, memory_format=memory_format(cfg, device))
         self.optimizer = make_optimizer(cfg, self.model)
         algo = ALGORITHMS.get(cfg.algorithm.name)
         spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size, public_x)
@@ -631,6 +637,7 @@ class ServerCore:
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
                  device: torch.device, needs: ServerNeeds, global_test: Optional[EvalSet] = None,
                  public_x: Optional[torch.Tensor] = None):
+        apply_determinism(cfg.resources.deterministic)  # in-process runs; the server actor applied it already
         self.cfg = cfg
         self.device = device
         self.global_test = global_test

@@ -71,7 +71,9 @@ def test_model_attributes_and_default_feature_dim() -> None:
     model = build_model("cnn_narrow", 3, 32, 10)
     assert isinstance(model, ProtoModel)
     assert (model.arch, model.feature_dim, model.num_classes) == ("cnn_narrow", 512, 10)
-    assert model.projection.in_features == model.backbone_dim == 128
+    assert model.backbone_dim == 128  # pooled up to 512 by the default projector (no parameters)
+    assert isinstance(model.projection, torch.nn.AdaptiveAvgPool1d) and model.projection.output_size == 512
+    assert build_model("cnn_narrow", 3, 32, 10, projector="linear").projection.in_features == 128
     assert (model.head.in_features, model.head.out_features) == (512, 10)
     # The dry run switches to eval mode; every submodule must be back in training mode.
     assert all(m.training for m in model.modules())
@@ -88,17 +90,20 @@ def test_forward_features_matches_features_and_head() -> None:
 
 
 def test_no_activation_after_projection() -> None:
-    # Features are the raw projection output: a ReLU there would make them all >= 0.
+    # Features are the raw projection output: a ReLU there would make them all >= 0. (The default
+    # pool projector averages the extractor's last ReLU output, as the reference's, so >= 0 there.)
     torch.manual_seed(0)
-    model = build_model("mlp", 1, 16, NUM_CLASSES, FEATURE_DIM).eval()
+    model = build_model("mlp", 1, 16, NUM_CLASSES, FEATURE_DIM, projector="linear").eval()
     with torch.no_grad():
         assert (model.features(torch.randn(8, 1, 16, 16)) < 0).any()
 
 
+@pytest.mark.parametrize("projector", ["pool", "linear", "mlp"])
 @pytest.mark.parametrize("arch", SMALL + ["mobilenet_v2"])
-def test_backward_reaches_backbone_projection_and_head(arch: str) -> None:
+def test_backward_reaches_backbone_projection_and_head(arch: str, projector: str) -> None:
     torch.manual_seed(0)
-    model = build_model(arch, 1, 16, NUM_CLASSES, FEATURE_DIM)
+    model = build_model(arch, 1, 16, NUM_CLASSES, FEATURE_DIM, projector=projector)
+    assert (projector == "pool") == (not list(model.projection.parameters()))  # pool: nothing to train
     x, y = torch.randn(4, 1, 16, 16), torch.tensor([0, 1, 2, 3])
     # Each term of a prototype loss on its own: CE through the head must train the whole model,
     # a feature-space term the extractor and projection (and not the head).
@@ -110,6 +115,8 @@ def test_backward_reaches_backbone_projection_and_head(arch: str) -> None:
         loss.backward()
         for name, part in parts.items():
             grads = [p.grad for p in part.parameters()]
+            if not grads:  # the pool projector: no parameters to reach
+                continue
             if name in reached:
                 assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads), (term, name)
             else:
@@ -174,7 +181,8 @@ def test_bad_sizes_raise_clear_errors() -> None:
 def test_backbone_parameter_counts(arch: str, params: int) -> None:
     model = build_model(arch, 3, 32, 10)
     assert sum(p.numel() for p in model.backbone.parameters()) == params
-    assert model.projection.weight.shape == (512, model.backbone_dim)
+    assert not list(model.projection.parameters())  # the default pool projector learns nothing
+    assert build_model(arch, 3, 32, 10, projector="linear").projection.weight.shape == (512, model.backbone_dim)
 
 
 def test_small_models_are_small() -> None:
