@@ -372,11 +372,17 @@ class FedScaleBandwidth(_Section):
                                   "communication (kbit/s) is its upload and its download bandwidth")
 
 
+class FreeServer(_Section):
+    kind: Literal["free"]  # server steps take no simulated time (the clock before system.server existed)
+
+
+ServerSpeedConfig = Annotated[Union[ConstantSpeed, LognormalSpeed, FreeServer], Field(discriminator="kind")]
 SpeedConfig = Annotated[Union[ConstantSpeed, LognormalSpeed, CsvSpeed, FedScaleSpeed], Field(discriminator="kind")]
 AvailabilityConfig = Annotated[Union[AlwaysOnline, ProbabilityOnline, CsvOnline, FedScaleOnline],
                                Field(discriminator="kind")]
 BandwidthConfig = Annotated[Union[ConstantBandwidth, LognormalBandwidth, FedScaleBandwidth], Field(discriminator="kind")]
 _UNION_KINDS = {"system.speed": "constant, lognormal, csv, fedscale",
+                "system.server": "constant, lognormal, free",
                 "system.availability": "always, probability, csv, fedscale",
                 "system.bandwidth": "constant, lognormal, fedscale"}
 
@@ -401,6 +407,10 @@ class SystemConfig(_Section):
     cost_per_sample: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict, description="architecture -> seconds per training sample at speed 1.0 (overrides the "
                                           "MAC-based estimate, e.g. measured on real devices)")
+    server: ServerSpeedConfig = Field(
+        default_factory=ConstantSpeed,
+        description="the server's speed for the work each method declares for a server step: constant (default "
+                    "1.0, the median client), lognormal (one draw from the run seed) or free (no simulated time)")
 
 
 class AlgorithmConfig(BaseModel):

@@ -35,7 +35,7 @@ from pydantic import Field
 
 from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS
-from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer
+from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer, ServerPass, ServerSizes
 from rayfed_proto.algorithms.common import aggregate_prototypes, local_prototypes, safe_cdist
 from rayfed_proto.algorithms.fedproto import PrototypeAlignmentClient
 from rayfed_proto.messages import ClientUpdate, PrototypeSet
@@ -76,6 +76,19 @@ class PrototypeGenerator(torch.nn.Module):
 
     def forward(self, class_ids: torch.Tensor) -> torch.Tensor:
         return self.net(self.embedding(class_ids))
+
+
+def generator_work(sizes: ServerSizes, epochs: int, batch_size: int, hidden_dim: int, scope: str) -> list[ServerPass]:
+    """One version's generator training (FedTGP's and FedProtoKD's loop): ``epochs`` x the
+    mini-batches of the version's (prototype, class) pairs (of the buffer's uploads, or of every
+    uploader's latest with ``scope`` latest), each a forward-backward of the generator over every
+    class (two ``feature_dim`` x ``hidden`` layers) and of the batch's distances to them."""
+    pairs = round(sizes.uploads(scope) * sizes.classes_per_update)
+    steps = epochs * -(-pairs // batch_size)
+    d, h = sizes.feature_dim, hidden_dim or sizes.feature_dim
+    return [ServerPass("generator", steps * sizes.num_classes, backward=True, macs=2 * d * h),
+            ServerPass("distances", steps * min(batch_size, pairs), backward=True, macs=sizes.num_classes * d),
+            ServerPass("bank", sizes.num_classes, backward=False, macs=2 * d * h)]
 
 
 def adaptive_margin(class_means: torch.Tensor, threshold: float) -> float:
@@ -134,6 +147,12 @@ class FedTGPServer(PrototypeServer):
         self.seen[classes] = True
         self._refresh_bank(version)
         return {"server_loss": loss, "server_margin": self.margin}
+
+    @classmethod
+    def server_work(cls, options: FedTGPOptions, sizes: ServerSizes) -> list[ServerPass]:
+        """The generator's ``server_epochs`` over the version's prototype pairs (:func:`generator_work`)."""
+        return generator_work(sizes, options.server_epochs, options.server_batch_size, options.hidden_dim,
+                              options.aggregation_scope)
 
     def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor, pair_w: torch.Tensor) -> float:
         opt = optim.sgd(self.generator.parameters(), lr=self.options.server_lr)

@@ -550,6 +550,7 @@ class ServerCore:
         self.device = device
         self.global_test = global_test
         self.buffer_size, self.background, self.max_staleness = needs.buffer_size, needs.background, needs.max_staleness
+        self.inline = not needs.background and not needs.steps_on_request  # aggregate in submit() once K are in
         self.max_version = cfg.federation.rounds
         spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x, device)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
@@ -633,7 +634,7 @@ class ServerCore:
             ready = self.buffer_ready()
             if ready and self.background:
                 self.cond.notify_all()
-        if ready and not self.background:
+        if ready and self.inline:
             receipt.update(self.step())
         return receipt
 

@@ -650,18 +650,25 @@ def _system_model(cfg: ExperimentConfig, partition, num_classes: int, channels: 
     if getattr(cfg, "system", None) is None:
         return None
     from rayfed_proto.algorithms import ALGORITHMS
-    from rayfed_proto.algorithms.base import UpdateSizes
+    from rayfed_proto.algorithms.base import ServerSizes, UpdateSizes
     from rayfed_proto.system import SystemModel
 
     # the work one local update declares (the run's method, whichever it is), per client
-    client_cls, options = ALGORITHMS.get(cfg.algorithm.name).Client, cfg.algorithm_options()
-    work = [client_cls.update_work(options, UpdateSizes(
+    method, options = ALGORITHMS.get(cfg.algorithm.name), cfg.algorithm_options()
+    counts = [np.bincount(partition.labels[s.train_idx], minlength=num_classes) for s in partition.clients]
+    work = [method.Client.update_work(options, UpdateSizes(
         train=len(s.train_idx), local_epochs=cfg.training.local_epochs, batch_size=cfg.training.batch_size,
         unlabelled=len(s.unlabelled_idx), public=len(partition.public_idx),
-        train_class_counts=tuple(int(n) for n in np.bincount(partition.labels[s.train_idx], minlength=num_classes))))
-        for s in partition.clients]
+        train_class_counts=tuple(int(n) for n in counts[c]))) for c, s in enumerate(partition.clients)]
+    # and the work of one server step, for the updates it aggregates and the clients that have uploaded
+    classes = float(np.mean([np.count_nonzero(n) for n in counts])) if counts else 0.0
+
+    def server_work(updates: int, uploaders: int) -> list:
+        return method.Server.server_work(options, ServerSizes(updates, num_classes, cfg.model.feature_dim,
+                                                              len(partition.public_idx), classes, uploaders))
+
     return SystemModel.from_config(cfg, [len(s.train_idx) for s in partition.clients], channels, image_size, num_classes,
-                                   work=work)
+                                   work=work, server_work=server_work)
 
 
 def _alive_infos(handles: list) -> list[dict[str, Any]]:

@@ -160,6 +160,17 @@ class Scheduler:
     def request_step(self) -> None:
         self.inflight[self.server.step.remote()] = Pending(self._on_receipt, "step")
 
+    def step_now(self) -> bool:
+        """Virtual clock: the server's step ends now in simulated time; its version is taken at once
+        (the next dispatch must see it). False: the server died."""
+        try:
+            receipt = ray.get(self.server.step.remote())
+        except RayActorError as err:
+            self.recovery.server_died(err)
+            return False
+        self._handle_receipt(receipt, step=True)
+        return True
+
     def eligible(self, one_per_actor: bool = False) -> list[int]:
         """Clients not excluded and with nothing in flight (``one_per_actor``: on a worker with
         nothing in flight), in client order: a seeded choice must not depend on the layout."""

@@ -41,7 +41,8 @@ def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_need
     assert real.needs == ServerNeeds(buffer_size=3, background=True, max_staleness=7) and real.waits_for_versions
     virtual = make_policy(fed(mode="async", buffer_size=3, num_clients=6, concurrency=4), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(virtual, VirtualAsync) and virtual.concurrency == 4 and virtual.clock is not None
-    assert virtual.needs == ServerNeeds(buffer_size=3, background=False, max_staleness=20)  # inline: simulated order decides
+    # no inline step: the policy steps the server when its simulated step ends (the server's time on the clock)
+    assert virtual.needs == ServerNeeds(buffer_size=3, background=False, max_staleness=20, steps_on_request=True)
     assert not virtual.waits_for_versions
     sync_clock = make_policy(fed(mode="sync"), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(sync_clock, SyncRounds) and sync_clock.clock is not None
