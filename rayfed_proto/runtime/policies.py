@@ -50,7 +50,7 @@ class Pending:
     """One entry of the scheduler's in-flight table: what the ref is and who handles it."""
 
     handler: Callable[[Any, Pending], None]
-    kind: str  # "train" | "receipt" | "step" | "eval" | "versions"
+    kind: str  # "train" | "receipt" | "step" | "eval" | "versions" | "discard"
     client: int = -1
     update_ref: Any = None
     version: int = -1
@@ -106,6 +106,7 @@ class FederationPolicy(Protocol):
     def on_server_report(self, backlog: int, version: int) -> None: ...  # the buffer's fill, read at a version
     def on_lost(self, p: Pending) -> None: ...  # its actor died
     def on_new_version(self, version: int) -> None: ...
+    def may_lose(self, client: int) -> bool: ...  # an update dispatched now may be lost (keep the state before it)
     def exclude(self, client: int) -> None: ...
     def quiet(self) -> bool: ...  # nothing the policy holds back is real work in flight
     def at_server(self) -> int: ...  # updates the server holds that a restart would lose
@@ -170,6 +171,10 @@ class _Policy:
 
     def on_new_version(self, version: int) -> None:
         pass
+
+    def may_lose(self, client: int) -> bool:
+        """Virtual clock: ``client`` may go offline before an update dispatched now finishes."""
+        return self.clock is not None and self.clock.may_go_offline(client)
 
     def exclude(self, client: int) -> None:
         pass

@@ -65,6 +65,7 @@ class SchedulerStats:
     excluded: list[int] = field(default_factory=list)  # clients dropped from sampling after repeated failures
     updates_dropped_offline: int = 0  # virtual clock: lost because the client went offline before they finished
     client_dropped_offline: dict[int, int] = field(default_factory=dict)  # client -> its updates dropped offline
+    dropped_kept: int = 0  # dropped offline, but no state from before it was kept (resumed run): training kept
     updates_dropped_deadline: int = 0  # sync, virtual clock: would finish after federation.round_deadline_s
     updates_dropped_over_selection: int = 0  # sync, virtual clock: finished after the round's first K (over_selection)
     client_dropped_deadline: dict[int, int] = field(default_factory=dict)  # client -> its updates dropped by a deadline
@@ -134,7 +135,7 @@ class Scheduler:
         """Start ``client``'s local update against the newest version."""
         a = self.actor_of[client]
         meta_ref, update_ref = self.actors[a].train.options(num_returns=2).remote(
-            client, self.global_ref, self.evals.keep_from(client))
+            client, self.global_ref, self.evals.keep_from(client), self.policy.may_lose(client))
         self.stats.dispatched += 1
         self.stats.client_updates[client] = self.stats.client_updates.get(client, 0) + 1
         p = self.inflight[meta_ref] = Pending(self._on_update, "train", client=client, update_ref=update_ref, actor=a)
@@ -199,7 +200,11 @@ class Scheduler:
     def dropped_offline(self, client: int, meta: dict[str, Any]) -> None:
         """A local update lost because its client went offline before it finished (virtual clock):
         never submitted. The client did train (busy time, download counted); its upload never
-        completed (not counted), and its model keeps the training, as after a refused update."""
+        completed (not counted), and the training is discarded (FedScale): its worker puts the
+        client's state back to before the update (dispatched ``may_lose``), so evaluations, which
+        never see an unhandled update, and its next update start from the same state."""
+        a = self.actor_of[client]
+        self.inflight[self.actors[a].discard.remote(client)] = Pending(self._on_discarded, "discard", client=client, actor=a)
         self.stats.updates_dropped_offline += 1
         self.stats.client_dropped_offline[client] = self.stats.client_dropped_offline.get(client, 0) + 1
         self.stats.busy_s += meta["busy_s"]
@@ -321,6 +326,13 @@ class Scheduler:
             self.stats.withheld += not self.policy.on_late(p, meta)
             return
         self.policy.on_update(p, meta)
+
+    def _on_discarded(self, ref, p: Pending) -> None:
+        try:
+            if not ray.get(ref):  # no state kept: a worker restored from a checkpoint since (docs/simulation.md)
+                self.stats.dropped_kept += 1
+        except RayActorError as err:
+            self.recovery.client_actor_died(p.actor, None, err)
 
     def _on_receipt(self, ref, p: Pending) -> None:
         try:

@@ -299,3 +299,39 @@ def test_eligible_clients_are_the_idle_not_excluded_ones_in_client_order():
     assert Scheduler.eligible(s, one_per_actor=True) == [c for c in want if actor_of[c] == 2]  # workers 1, 0 busy
     s.stats.excluded, s.inflight = [], {}
     assert Scheduler.eligible(s) == list(range(50))
+
+
+@pytest.mark.parametrize("park", [False, True, "disk"])
+def test_a_lost_update_is_discarded_the_client_goes_back_to_its_state_before_it(host_data, park, tmp_path):
+    """Issue 35 item 9: an update dispatched ``undoable`` (its client may go offline first) and then
+    lost is discarded: the client's whole state (model, optimizer, RNG streams, count) goes back to
+    before it, so the next update is the one the lost update would have been, from the same state."""
+    from rayfed_proto.runtime.parking import ParkedStates
+
+    cfg, ds, part = host_data
+    cpu = torch.device("cpu")
+
+    def make():
+        store = ParkedStates.on_disk(str(tmp_path)) if park == "disk" else None
+        return ClientHost(cfg, ds, part.clients, cpu, park=bool(park), parked=store)
+
+    host, reference = make(), make()
+    state = GlobalState(version=0)
+    host.train(0, state)
+    reference.train(0, state)
+    lost_meta, lost = host.train(0, state, undoable=True)
+    assert host.discard(0) and host.update_counts()[0] == 1
+    assert not host.discard(0)  # nothing kept any more: a second discard changes nothing
+    meta, again = host.train(0, state)
+    ref_meta, expected = reference.train(0, state)
+    assert meta["update"] == ref_meta["update"] == 2
+    assert torch.equal(torch.as_tensor(again.prototypes.vectors), torch.as_tensor(expected.prototypes.vectors))
+    same = host.evaluate([0], state)[0], reference.evaluate([0], state)[0]
+    assert same[0]["head_correct"] == same[1]["head_correct"] and same[0]["train_loss"] == same[1]["train_loss"]
+    # a client whose first update is lost goes back to its seeded initial state
+    host.train(1, state, undoable=True)
+    assert host.discard(1) and host.update_counts()[1] == 0
+    assert host.evaluate([1], state)[0]["head_correct"] == reference.evaluate([1], state)[0]["head_correct"]
+    # an update not dispatched undoable keeps its training (a worker restored from a checkpoint since)
+    host.train(2, state)
+    assert not host.discard(2) and host.update_counts()[2] == 1
