@@ -160,6 +160,9 @@ class FederationConfig(_Section):
     staleness_exponent: float = Field(0.5, ge=0, description="weight (1 + staleness)^(-a)")
     max_staleness: int = Field(20, ge=0, description="async: older updates are dropped and counted")
     eval_every: int = Field(5, ge=1, description="evaluate all clients every this many versions")
+    eval_clients: Union[Literal["all"], int, float] = Field(
+        "all", description="clients an evaluation covers: all, a number, or a fraction (0, 1] of num_clients, sampled "
+        "once from the run's seed (the same clients at every version); training is never changed")
     round_deadline_s: Optional[float] = Field(
         None, gt=0, allow_inf_nan=False, description="sync with a virtual clock (system:): updates that would finish "
         "later than this many simulated seconds after the round started are dropped and counted; null: no deadline")
@@ -167,6 +170,14 @@ class FederationConfig(_Section):
         1.0, ge=1, allow_inf_nan=False, description="sync with a virtual clock (system:): select ceil(this x "
         "ceil(participation x num_clients)) clients per round and keep the first ceil(participation x num_clients) "
         "to finish, the rest dropped and counted (FedScale's over-commitment); 1: no over-selection")
+
+    @field_validator("eval_clients", mode="wrap")
+    @classmethod
+    def _eval_clients(cls, v, handler):
+        v = handler(v) if not isinstance(v, bool) else v  # a bool is neither a count nor a fraction
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1) or (isinstance(v, float) and not 0 < v <= 1):
+            raise ValueError("must be all, a number of clients >= 1 or a fraction in (0, 1]")
+        return v
 
     @field_validator("participation")
     @classmethod
@@ -747,6 +758,9 @@ def _federation_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     if fed.eval_every > fed.rounds:
         issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
                                   allowed=f"at most federation.rounds ({fed.rounds})"))
+    if isinstance(fed.eval_clients, int) and fed.eval_clients > fed.num_clients:
+        issues.append(ConfigIssue(key="federation.eval_clients", value=fed.eval_clients,
+                                  allowed=f"all, at most federation.num_clients ({fed.num_clients}), or a fraction in (0, 1]"))
     return issues
 
 

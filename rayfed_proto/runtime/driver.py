@@ -438,6 +438,7 @@ def _start(run: _Run) -> None:
              f"actor) and 1 server actor; per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; "
              f"{concurrency}")
     if run.ckpt is None:
+        from rayfed_proto.runtime.evaluations import eval_sample
         from rayfed_proto.tracking import plots
 
         run.tracker.log_artifact(run.out / "config.yaml")
@@ -446,6 +447,9 @@ def _start(run: _Run) -> None:
                                                 class_names=run.class_names,
                                                 title=f"{cfg.data.name}: {cfg.data.partition.name} partition")
         run.tracker.log_artifact(heatmap, "plots")
+        if (sample := eval_sample(fed.eval_clients, fed.num_clients, cfg.seed)) is not None:  # the evaluated clients
+            (run.out / "eval_clients.txt").write_text("".join(f"{c}\n" for c in sample))
+            run.tracker.log_artifact(run.out / "eval_clients.txt")
         run.run_log.started()
     run.fleet.wait_started(cfg.resources.placement_timeout_s, run.progress)
 
@@ -457,6 +461,7 @@ def _restore(run: _Run) -> None:
 
 def _make_scheduler(run: _Run, on_eval, on_version):
     """The event loop, wired to MLflow (evaluations), the progress bar, checkpoints and restarts."""
+    from rayfed_proto.runtime.evaluations import eval_sample
     from rayfed_proto.runtime.progress import ProgressWatch
     from rayfed_proto.runtime.scheduler import Hooks, Limits, Scheduler
 
@@ -497,7 +502,8 @@ def _make_scheduler(run: _Run, on_eval, on_version):
         rounds=fed.rounds, eval_every=fed.eval_every, real_slots=run.plan.concurrency, checkpoint_every=cfg.checkpoint.every,
         max_client_failures=cfg.reliability.max_client_failures, max_server_failures=cfg.reliability.max_server_failures,
         drain_timeout_s=cfg.reliability.drain_timeout_s, stop_at_version=_stop_at(cfg, run.start_version),
-        start_version=run.start_version, evaluate_start=not any(h["version"] == run.start_version for h in run.history))
+        start_version=run.start_version, evaluate_start=not any(h["version"] == run.start_version for h in run.history),
+        eval_clients=eval_sample(fed.eval_clients, fed.num_clients, cfg.seed))
     hooks = Hooks(on_eval=handle_eval, on_version=handle_version, on_checkpoint=write_checkpoint,
                   restart_client_actor=restart_worker, restart_server=lambda: fleet.restart_server(run.echo))
     scheduler = Scheduler(run.policy, fleet.handles["server"], fleet.handles["actors"], run.groups, limits, hooks,

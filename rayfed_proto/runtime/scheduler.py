@@ -86,6 +86,7 @@ class Limits:
     stop_at_version: Optional[int] = None
     start_version: int = 0
     evaluate_start: bool = True
+    eval_clients: Optional[list[int]] = None  # the clients every evaluation covers (None: all)
 
 
 @dataclass
@@ -120,7 +121,7 @@ class Scheduler:
         self.first_update_unix: Optional[float] = None  # when the first local update came back (startup cost)
         counts = {c: n for host in ray.get([a.update_counts.remote() for a in actors]) for c, n in host.items()}
         self.evals = Evaluations(limits.eval_every, limits.rounds, counts, self.version, self.stats, hooks.on_eval,
-                                 limits.real_slots, ray.get)
+                                 limits.real_slots, ray.get, limits.eval_clients)
         policy.bind(self)
 
     # ---------------------------------------------------------------------------- the port (policies.Port)
@@ -390,10 +391,14 @@ class Scheduler:
         return stats, self.wall(), self.policy.sim_now(), server_stats
 
     def _launch_eval(self, version: int, state_ref, as_of: dict[int, int]) -> int:
+        """One evaluation call per worker hosting a client of ``as_of`` (every client, or the sample)."""
+        parts = 0
         for a, clients in enumerate(self.actor_clients):
-            ref = self.actors[a].evaluate.remote(clients, state_ref, {c: as_of[c] for c in clients})
-            self.inflight[ref] = Pending(self._on_eval_result, "eval", version=version, actor=a)
-        return len(self.actor_clients)
+            if mine := [c for c in clients if c in as_of]:
+                ref = self.actors[a].evaluate.remote(mine, state_ref, {c: as_of[c] for c in mine})
+                self.inflight[ref] = Pending(self._on_eval_result, "eval", version=version, actor=a)
+                parts += 1
+        return parts
 
     def _on_eval_result(self, ref, p: Pending) -> None:
         try:

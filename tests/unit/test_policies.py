@@ -335,3 +335,30 @@ def test_a_lost_update_is_discarded_the_client_goes_back_to_its_state_before_it(
     # an update not dispatched undoable keeps its training (a worker restored from a checkpoint since)
     host.train(2, state)
     assert not host.discard(2) and host.update_counts()[2] == 1
+
+
+def test_eval_clients_is_a_fixed_seeded_sample_and_its_states_alone_are_asked_for():
+    """Issue 39 item 2: federation.eval_clients: all, a number or a fraction, drawn once from the seed
+    (the same clients at every version); the others are never evaluated, so no state is kept for them."""
+    from rayfed_proto.config import ConfigError
+    from rayfed_proto.runtime.evaluations import eval_sample
+
+    assert eval_sample("all", 10, 0) is None and eval_sample(10, 10, 0) is None and eval_sample(1.0, 10, 0) is None
+    three = eval_sample(3, 10, 0)
+    assert len(three) == 3 and three == sorted(three) and three == eval_sample(3, 10, 0)
+    assert eval_sample(0.25, 10, 0) == eval_sample(3, 10, 0)  # ceil(0.25 x 10) = 3, the same draw
+    assert any(eval_sample(3, 10, s) != three for s in (1, 2, 3))  # the seed decides
+    sample = eval_sample(2, 4, 7)
+    logged = {}
+    evals = Evaluations(1, 5, {c: 0 for c in range(4)}, 0, SchedulerStats(), lambda v, m: logged.__setitem__(v, m),
+                        real_slots=1, resolve=lambda ref: ref, sample=sample)
+    asked = []
+    evals.formed(1, "s1", lambda: ())
+    evals.start_ready(lambda v, ref, as_of: asked.append(as_of) or 1)
+    assert [sorted(a) for a in asked] == [sample]
+    others = [c for c in range(4) if c not in sample]
+    assert all(evals.keep_from(c) is None for c in others) and all(evals.keep_from(c) == 0 for c in sample)
+    with pytest.raises(ConfigError, match=r"federation.eval_clients = 0: must be all, a number of clients >= 1"):
+        build_config({}, ["federation.eval_clients=0"])
+    with pytest.raises(ConfigError, match=r"federation.eval_clients = 30: all, at most federation.num_clients \(20\)"):
+        build_config({}, ["federation.eval_clients=30"])
