@@ -581,7 +581,8 @@ class ServerCore:
     there are K. Intake therefore never waits behind server training (a generator, anchors):
     an update's staleness counts the versions produced while its client trained, not the time
     it would otherwise spend queued behind the server. Without it (tests, in-process use),
-    :meth:`submit` aggregates inline.
+    :meth:`submit` aggregates inline, unless ``steps_on_request`` (the virtual clock: the driver
+    calls :meth:`step` when the server's simulated step ends).
     """
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
