@@ -194,6 +194,9 @@ class FederationConfig(_Section):
     staleness_exponent: float = Field(0.5, ge=0, description="weight (1 + staleness)^(-a)")
     max_staleness: int = Field(20, ge=0, description="async: older updates are dropped and counted")
     eval_every: int = Field(5, ge=1, description="evaluate all clients every this many versions")
+    eval_clients: Union[Literal["all"], int, float] = Field(
+        "all", description="clients an evaluation covers: all, a number, or a fraction (0, 1] of num_clients, sampled "
+        "once from the run's seed (the same clients at every version); training is never changed")
     round_deadline_s: Optional[float] = Field(
         None, gt=0, allow_inf_nan=False, description="sync with a virtual clock (system:): updates that would finish "
         "later than this many simulated seconds after the round started are dropped and counted; null: no deadline")
@@ -201,6 +204,14 @@ class FederationConfig(_Section):
         1.0, ge=1, allow_inf_nan=False, description="sync with a virtual clock (system:): select ceil(this x "
         "ceil(participation x num_clients)) clients per round and keep the first ceil(participation x num_clients) "
         "to finish, the rest dropped and counted (FedScale's over-commitment); 1: no over-selection")
+
+    @field_validator("eval_clients", mode="wrap")
+    @classmethod
+    def _eval_clients(cls, v, handler):
+        v = handler(v) if not isinstance(v, bool) else v  # a bool is neither a count nor a fraction
+        if isinstance(v, bool) or (isinstance(v, int) and v < 1) or (isinstance(v, float) and not 0 < v <= 1):
+            raise ValueError("must be all, a number of clients >= 1 or a fraction in (0, 1]")
+        return v
 
     @field_validator("participation")
     @classmethod
@@ -424,11 +435,17 @@ class FedScaleBandwidth(_Section):
                                   "communication (kbit/s) is its upload and its download bandwidth")
 
 
+class FreeServer(_Section):
+    kind: Literal["free"]  # server steps take no simulated time (the clock before system.server existed)
+
+
+ServerSpeedConfig = Annotated[Union[ConstantSpeed, LognormalSpeed, FreeServer], Field(discriminator="kind")]
 SpeedConfig = Annotated[Union[ConstantSpeed, LognormalSpeed, CsvSpeed, FedScaleSpeed], Field(discriminator="kind")]
 AvailabilityConfig = Annotated[Union[AlwaysOnline, ProbabilityOnline, CsvOnline, FedScaleOnline],
                                Field(discriminator="kind")]
 BandwidthConfig = Annotated[Union[ConstantBandwidth, LognormalBandwidth, FedScaleBandwidth], Field(discriminator="kind")]
 _UNION_KINDS = {"system.speed": "constant, lognormal, csv, fedscale",
+                "system.server": "constant, lognormal, free",
                 "system.availability": "always, probability, csv, fedscale",
                 "system.bandwidth": "constant, lognormal, fedscale"}
 
@@ -453,6 +470,10 @@ class SystemConfig(_Section):
     cost_per_sample: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = Field(
         default_factory=dict, description="architecture -> seconds per training sample at speed 1.0 (overrides the "
                                           "MAC-based estimate, e.g. measured on real devices)")
+    server: ServerSpeedConfig = Field(
+        default_factory=ConstantSpeed,
+        description="the server's speed for the work each method declares for a server step: constant (default "
+                    "1.0, the median client), lognormal (one draw from the run seed) or free (no simulated time)")
 
 
 class AlgorithmConfig(BaseModel):
@@ -813,6 +834,9 @@ def _federation_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     if fed.eval_every > fed.rounds:
         issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
                                   allowed=f"at most federation.rounds ({fed.rounds})"))
+    if isinstance(fed.eval_clients, int) and fed.eval_clients > fed.num_clients:
+        issues.append(ConfigIssue(key="federation.eval_clients", value=fed.eval_clients,
+                                  allowed=f"all, at most federation.num_clients ({fed.num_clients}), or a fraction in (0, 1]"))
     return issues
 
 

@@ -49,6 +49,7 @@ SPEED_KEY = "system.speed.path"
 AVAILABILITY_KEY = "system.availability.path"
 BANDWIDTH_KEY = "system.bandwidth.path"
 BANDWIDTH_STREAM = 0xBA4D  # default_rng([seed, BANDWIDTH_STREAM]): the lognormal bandwidth factors
+SERVER_STREAM = 0x5E4E  # default_rng([seed, SERVER_STREAM]): a lognormal server speed's one draw
 TRACE_STREAM = 0x7ACE  # default_rng([seed, TRACE_STREAM, salt]): which trace client each run client is
 DEVICE_SALT, BEHAVIOUR_SALT = 1, 2  # the device-capacity and the behaviour trace map independently
 
@@ -135,6 +136,31 @@ def update_work_s(passes, cost_s: float, version: int = 0) -> float:
     fwd_bwd = sum(int(p.samples) for p in passes if p.backward and p.from_version <= version)
     fwd = sum(int(p.samples) for p in passes if not p.backward and p.from_version <= version)
     return fwd_bwd * cost_s + fwd * (cost_s / TRAIN_PASSES)
+
+
+def server_step_work_s(passes, arch_cost_s: dict[str, float], reference_flops: float) -> float:
+    """Seconds at speed 1.0 of one server step that declares ``passes`` (``algorithms.base.ServerPass``):
+    a pass with ``arch`` costs that architecture's seconds per training sample per forward-backward
+    sample (a third of it forward only), as a client's work; one with ``macs`` 2 x macs FLOPs per
+    forward sample (x ``TRAIN_PASSES`` with backward) at ``reference_flops``."""
+    total = 0.0
+    for p in passes:
+        passes_per_sample = TRAIN_PASSES if p.backward else 1
+        if p.arch is not None:
+            total += int(p.samples) * arch_cost_s[p.arch] * passes_per_sample / TRAIN_PASSES
+        else:
+            total += int(p.samples) * FLOPS_PER_MAC * int(p.macs) * passes_per_sample / reference_flops
+    return total
+
+
+def server_speed(server, seed: int) -> Optional[float]:
+    """``system.server``'s speed: None for ``free`` (no simulated time), the value for ``constant``,
+    one lognormal draw from the run's seed (its own stream) for ``lognormal``."""
+    if server.kind == "free":
+        return None
+    if server.kind == "lognormal":
+        return float(np.exp(np.random.default_rng([seed, SERVER_STREAM]).normal(0.0, server.sigma)))
+    return float(server.value)
 
 
 # --------------------------------------------------------------------------- CSV profiles
@@ -578,8 +604,15 @@ class SystemModel:
                  download_bytes_per_s: Optional[float] = None, availability: str = "always", p: float = 1.0,
                  retry_s: float = 60.0, windows: Optional[dict[int, list[tuple[float, float]]]] = None,
                  work: Optional[list[list]] = None, periods: Optional[dict[int, float]] = None,
-                 client_upload_bytes_per_s=None, client_download_bytes_per_s=None):
+                 client_upload_bytes_per_s=None, client_download_bytes_per_s=None,
+                 server_speed: Optional[float] = None, server_work=None, server_arch_cost_s=None,
+                 reference_flops: float = 1e9):
         self.speeds = np.asarray(speeds, dtype=float)
+        # the server: its speed (None: free) and the work of a step, server_work(updates, uploaders) -> passes
+        self.server_speed, self.server_work, self.reference_flops = server_speed, server_work, float(reference_flops)
+        self.server_arch_cost_s = dict(server_arch_cost_s or {})
+        if server_speed is not None and not (math.isfinite(server_speed) and server_speed > 0):
+            raise ValueError(f"server_speed must be finite and > 0 (or None: free), got {server_speed}")
         n = len(self.speeds)
         if len(archs) != n or len(train_sizes) != n:
             raise ValueError(f"speeds, archs and train_sizes must have one entry per client; got {n}, {len(archs)}, "
@@ -631,11 +664,12 @@ class SystemModel:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, train_sizes: list[int], in_channels: int, image_size: int,
-                    num_classes: int, work: Optional[list[list]] = None) -> SystemModel:
+                    num_classes: int, work: Optional[list[list]] = None, server_work=None) -> SystemModel:
         """The model of ``cfg.system`` (which must be set) for clients with ``train_sizes[c]`` training
         samples; CSV profiles are read again (a bad file raises :class:`ConfigError`). ``work``: each
         client's declared passes of one update (``ClientAlgorithm.update_work``); None: local epochs
-        of forward-backward over the training split."""
+        of forward-backward over the training split. ``server_work(updates, uploaders)``: the passes
+        of one server step (``ServerAlgorithm.server_work``); None: a free server."""
         from rayfed_proto.models.zoo import arch_for_client
 
         sysc = cfg.system
@@ -679,10 +713,26 @@ class SystemModel:
             for k in ("upload_bytes_per_s", "download_bytes_per_s"):
                 if getattr(sysc, k) is not None:
                     kwargs[f"client_{k}"] = getattr(sysc, k) * factor
+        # the server's speed, and the cost of the architectures its declared passes name (as the clients')
+        server_archs = {p.arch for p in (server_work(1, 1) if server_work is not None else []) if p.arch is not None}
+        kwargs.update(server_speed=server_speed(sysc.server, cfg.seed), server_work=server_work,
+                      reference_flops=sysc.reference_flops,
+                      server_arch_cost_s={a: sysc.cost_per_sample.get(a) or seconds_per_sample(architecture_macs(
+                          a, in_channels, image_size, num_classes, cfg.model.feature_dim, cfg.model.projector),
+                          sysc.reference_flops) for a in server_archs})
         return cls(speeds, archs, cost, list(train_sizes), cfg.training.local_epochs,
                    sysc.upload_bytes_per_s, sysc.download_bytes_per_s, work=work, **kwargs)
 
     # ------------------------------------------------------------------ durations
+
+    def server_step_s(self, updates: int, uploaders: int = 0) -> float:
+        """Simulated seconds of one server step aggregating ``updates`` (``uploaders``: distinct
+        clients whose upload the server holds): the method's declared server work at the server's
+        speed; 0 for a free server or a method that declares none."""
+        if self.server_speed is None or self.server_work is None:
+            return 0.0
+        work = server_step_work_s(self.server_work(updates, uploaders), self.server_arch_cost_s, self.reference_flops)
+        return work / self.server_speed
 
     def transfer_s(self, download_bytes: int, upload_bytes: int, client: Optional[int] = None) -> float:
         """Seconds to receive ``download_bytes`` and send ``upload_bytes`` (0 for an unset bandwidth);
@@ -824,6 +874,7 @@ class SystemModel:
             "download_bytes_per_s": (float(self.download_bytes_per_s) if self.download_bytes_per_s is not None
                                      else math.inf),
         }
+        out["server_speed"] = float(self.server_speed) if self.server_speed is not None else math.inf  # inf: free
         for arch, c in self.arch_cost_s.items():
             out[f"cost_s_per_sample.{arch}"] = c
         if self.availability == "probability":

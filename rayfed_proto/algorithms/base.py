@@ -99,6 +99,37 @@ class Pass:
     from_version: int = 0
 
 
+@dataclass(frozen=True)
+class ServerSizes:
+    """What one server step works on, for the cost it declares (the virtual clock's server time,
+    :meth:`ServerAlgorithm.server_work`): sizes known before the step, from the partition and config."""
+
+    updates: int  # updates aggregated into the version (K asynchronously, the round's accepted ones in sync)
+    num_classes: int
+    feature_dim: int
+    public: int = 0  # the public proxy set (data.public_size)
+    classes_per_update: float = 0.0  # classes one upload holds, the clients' mean (prototype pairs per update)
+    uploaders: int = 0  # distinct clients whose upload the server holds (aggregation_scope: latest)
+
+    def uploads(self, scope: str = "buffer") -> int:
+        """Uploads a version aggregates: the buffer's, or every uploader's latest (``latest``)."""
+        return max(self.updates, self.uploaders) if scope == "latest" else self.updates
+
+
+@dataclass(frozen=True)
+class ServerPass:
+    """Samples that go through a server-side module in one server step: ``samples`` of ``what`` (a
+    name for the docs and the benchmark), forward and backward (a training step) or forward only,
+    each costing ``macs`` multiply-accumulates forward, or, with ``arch`` set, one forward of that
+    zoo architecture on one of the dataset's images (its MACs computed as for the clients')."""
+
+    what: str
+    samples: int
+    backward: bool
+    macs: int = 0
+    arch: Optional[str] = None
+
+
 def steps_per_epoch(n: int, batch_size: int) -> int:
     """Mini-batches of one epoch of :class:`TrainBatchIterator` over ``n`` samples (a last batch of
     one sample is folded into the previous one)."""
@@ -384,6 +415,14 @@ class ServerAlgorithm:
     def weight_shapes(self) -> Optional[dict[str, tuple[int, ...]]]:
         """Expected shapes of uploaded weights (None: this method uploads no weights)."""
         return None
+
+    @classmethod
+    def server_work(cls, options: Options, sizes: ServerSizes) -> list[ServerPass]:
+        """The work of one server step (aggregation and server training), as passes through server
+        modules: the virtual clock charges it at ``system.server``'s speed, as a client's declared
+        work at its own. Default: none (averaging prototypes or weights is nearly free next to
+        training); a method that trains something at every version declares it."""
+        return []
 
     def aggregate(self, updates: list[ClientUpdate], weights: list[float], version: int) -> dict[str, float]:
         """Fold a buffer of accepted updates (with their staleness weights) into the global

@@ -61,6 +61,8 @@ from rayfed_proto.algorithms.base import (
     Options,
     Pass,
     ServerAlgorithm,
+    ServerPass,
+    ServerSizes,
     StepTally,
     TrainBatchIterator,
     UpdateSizes,
@@ -75,7 +77,7 @@ from rayfed_proto.algorithms.common import (
     local_prototypes,
     safe_cdist,
 )
-from rayfed_proto.algorithms.fedtgp import PrototypeGenerator, adaptive_margin
+from rayfed_proto.algorithms.fedtgp import PrototypeGenerator, adaptive_margin, generator_work
 from rayfed_proto.algorithms.schedules import AlignmentSchedule
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
 from rayfed_proto.models import ARCHITECTURES
@@ -420,6 +422,18 @@ class FedProtoKDServer(ServerAlgorithm):
         self.latest_protos: LatestUploads[PrototypeSet] = LatestUploads(spec.staleness_exponent)
         self.server_logits: Optional[np.ndarray] = None  # F_G on D_p, broadcast
         self.shuffle = torch.Generator().manual_seed(spec.seed)
+
+    @classmethod
+    def server_work(cls, options: FedProtoKDOptions, sizes: ServerSizes) -> list[ServerPass]:
+        """ACTP's generator (:func:`~rayfed_proto.algorithms.fedtgp.generator_work`), then the server
+        model: an eval pass over the public set (sample importance), ``server_epochs`` training epochs
+        on it, and an eval pass for the broadcast logits (``_train_server_model``)."""
+        work = generator_work(sizes, options.generator_epochs, options.generator_batch_size, options.hidden_dim,
+                              options.aggregation_scope)
+        evals = 2 if options.sample_importance else 1
+        return work + [ServerPass("server_model", options.server_epochs * sizes.public, backward=True,
+                                  arch=options.server_arch),
+                       ServerPass("server_model", evals * sizes.public, backward=False, arch=options.server_arch)]
 
     # -- interface ---------------------------------------------------------------------------
     def extras_shapes(self) -> dict[str, tuple[int, ...]]:

@@ -50,7 +50,7 @@ from pydantic import Field
 
 from rayfed_proto import optim
 from rayfed_proto.algorithms import ALGORITHMS
-from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer, SameAs
+from rayfed_proto.algorithms.base import Algorithm, PrototypeOptions, PrototypeServer, SameAs, ServerPass, ServerSizes
 from rayfed_proto.algorithms.common import aggregate_prototypes, local_prototypes, safe_cdist
 from rayfed_proto.algorithms.fedproto import PrototypeAlignmentClient
 from rayfed_proto.messages import ClientUpdate, PrototypeSet
@@ -101,6 +101,28 @@ class PrototypeGenerator(torch.nn.Module):
 
     def forward(self, class_ids: torch.Tensor) -> torch.Tensor:
         return self.net(self.embedding(class_ids))
+
+
+def generator_epochs(server_epochs: int, server_work: str, new_uploads: int, trained_on: int) -> int:
+    """Generator epochs for a version of ``new_uploads`` updates training on ``trained_on``
+    uploads: ``server_epochs`` x new / trained (rounded, at least 1) with ``server_work:
+    per_update``, the reference's work per client update; ``server_epochs`` with ``per_version``."""
+    if server_work == "per_version" or server_epochs == 0 or trained_on <= new_uploads:
+        return server_epochs
+    return max(1, round(server_epochs * new_uploads / trained_on))
+
+
+def generator_work(sizes: ServerSizes, epochs: int, batch_size: int, hidden_dim: int, scope: str) -> list[ServerPass]:
+    """One version's generator training (FedTGP's and FedProtoKD's loop): ``epochs`` x the
+    mini-batches of the version's (prototype, class) pairs (of the buffer's uploads, or of every
+    uploader's latest with ``scope`` latest), each a forward-backward of the generator over every
+    class (two ``feature_dim`` x ``hidden`` layers) and of the batch's distances to them."""
+    pairs = round(sizes.uploads(scope) * sizes.classes_per_update)
+    steps = epochs * -(-pairs // batch_size)
+    d, h = sizes.feature_dim, hidden_dim or sizes.feature_dim
+    return [ServerPass("generator", steps * sizes.num_classes, backward=True, macs=2 * d * h),
+            ServerPass("distances", steps * min(batch_size, pairs), backward=True, macs=sizes.num_classes * d),
+            ServerPass("bank", sizes.num_classes, backward=False, macs=2 * d * h)]
 
 
 def adaptive_margin(class_means: torch.Tensor, threshold: float) -> float:
@@ -165,10 +187,14 @@ class FedTGPServer(PrototypeServer):
         """Generator epochs for a version of ``new_uploads`` updates training on ``trained_on``
         uploads: ``server_epochs`` x new / trained (rounded, at least 1) with ``server_work:
         per_update``, the reference's work per client update; ``server_epochs`` with ``per_version``."""
-        e = self.options.server_epochs
-        if self.options.server_work == "per_version" or e == 0 or trained_on <= new_uploads:
-            return e
-        return max(1, round(e * new_uploads / trained_on))
+        return generator_epochs(self.options.server_epochs, self.options.server_work, new_uploads, trained_on)
+
+    @classmethod
+    def server_work(cls, options: FedTGPOptions, sizes: ServerSizes) -> list[ServerPass]:
+        """The generator's ``server_epochs`` over the version's prototype pairs (:func:`generator_work`)."""
+        epochs = generator_epochs(options.server_epochs, options.server_work, sizes.updates,
+                                  sizes.uploads(options.aggregation_scope))
+        return generator_work(sizes, epochs, options.server_batch_size, options.hidden_dim, options.aggregation_scope)
 
     def _train_generator(self, protos: torch.Tensor, labels: torch.Tensor, pair_w: torch.Tensor, epochs: int) -> float:
         opt = optim.sgd(self.generator.parameters(), lr=self.options.server_lr)

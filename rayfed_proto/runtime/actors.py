@@ -115,9 +115,10 @@ class ClientActor:
         self.host = ClientHost(self.cfg, dataset, splits, self.device, public_x, park=park, parked=parked)
         return self.host.client_ids
 
-    def train(self, client_id: int, state: GlobalState, keep_from: int | None = None):
-        """A local update; ``keep_from``: the oldest state of the client an evaluation may still ask for."""
-        return self._faulty(client_id, *self.host.train(client_id, state, keep_from))
+    def train(self, client_id: int, state: GlobalState, keep_from: int | None = None, undoable: bool = False):
+        """A local update; ``keep_from``: the oldest state of the client an evaluation may still ask
+        for; ``undoable``: it may be lost, keep the state before it (``discard``)."""
+        return self._faulty(client_id, *self.host.train(client_id, state, keep_from, undoable))
 
     def train_group(self, client_ids: list[int], state: GlobalState, keep_from: list[int | None]):
         """Local updates of several clients against one state (``resources.batch_clients`` on or auto):
@@ -132,6 +133,10 @@ class ClientActor:
             update = corrupt_update(update, self.faults.corrupt_kind)
             meta["corrupted"] = True
         return meta, update
+
+    def discard(self, client_id: int) -> bool:
+        """The client's latest local update was lost: its state goes back to before it."""
+        return self.host.discard(client_id)
 
     def snapshot(self) -> tuple[list[int], torch.Tensor]:
         """The hosted clients that have a state (for checkpoints, which fetch them in chunks with

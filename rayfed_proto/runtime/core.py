@@ -318,6 +318,9 @@ class ClientHost:
         self.materialised = 0  # runners built (a count for tests and logs)
         # client -> {local updates done: evaluation state}; None stands for the seeded initial state
         self.kept: dict[int, dict[int, Optional[dict[str, Any]]]] = {}
+        # client -> its whole state before its latest local update, kept when that update may be lost
+        # (virtual clock: its client may go offline first): ``discard`` goes back to it. None: never trained
+        self.undo: dict[int, Any] = {}
         if not park:
             for c in self.splits:
                 self._runner(c)
@@ -369,8 +372,14 @@ class ClientHost:
         if kept:
             self.kept[c] = kept
 
-    def train(self, c: int, state: GlobalState, keep_from: Optional[int] = None) -> tuple[dict[str, Any], ClientUpdate]:
+    def train(self, c: int, state: GlobalState, keep_from: Optional[int] = None,
+              undoable: bool = False) -> tuple[dict[str, Any], ClientUpdate]:
+        """A local update; ``undoable``: it may be lost (its client may go offline before it
+        finishes), so the whole state before it is kept for :meth:`discard`."""
         self._keep_before_update(c, keep_from)
+        self.undo.pop(c, None)
+        if undoable:
+            self.undo[c] = self._whole_state(c)
         try:
             return self._runner(c).train(state)
         finally:
@@ -410,6 +419,38 @@ class ClientHost:
             key = ("alone", c) if alone else batched.group_key(r.algorithm, r.model, r.optimizer, r.batches)
             groups.setdefault(key, []).append(c)
         return list(groups.values())
+
+    def _whole_state(self, c: int) -> Any:
+        """Client ``c``'s whole state now (model, optimizer, algorithm, RNG streams, update count),
+        a copy no local update changes: a parked file's handle, a copy of a parked dict or of a
+        live runner's state; None for a client that never trained (rebuilt from its seed)."""
+        if c in self.live:
+            return copy.deepcopy(self.live[c].state_dict())
+        if c in self.parked:
+            st = self.parked.handle_of(c)
+            return st if not isinstance(st, dict) else {**st, "algorithm": copy.deepcopy(st["algorithm"])}
+        return None
+
+    def discard(self, c: int) -> bool:
+        """Client ``c``'s latest local update was lost (its client went offline before it finished):
+        its state goes back to what it was before that update, as FedScale discards the work, so
+        its evaluations and its next update start from the same state. False: no state was kept
+        (the update was not dispatched as undoable, or this worker was restored from a checkpoint
+        since): the client keeps the training."""
+        if c not in self.undo:
+            return False
+        before = self.undo.pop(c)  # the states kept for evaluations are all from before the lost update: they stay
+        if self.park:
+            self.live.pop(c, None)
+            if before is None:
+                self.parked.pop(c)
+            else:
+                self.parked.put(c, resolve(before))
+        elif before is None:
+            self.live[c] = ClientRunner(self.cfg, self.splits[c], self.dataset, self.device, self.public_x)
+        else:
+            self._runner(c).load_state_dict(before)
+        return True
 
     def evaluate(self, clients: list[int], state: GlobalState,
                  as_of: Optional[dict[int, int]] = None) -> list[dict[str, Any]]:
@@ -631,7 +672,8 @@ class ServerCore:
     there are K. Intake therefore never waits behind server training (a generator, anchors):
     an update's staleness counts the versions produced while its client trained, not the time
     it would otherwise spend queued behind the server. Without it (tests, in-process use),
-    :meth:`submit` aggregates inline.
+    :meth:`submit` aggregates inline, unless ``steps_on_request`` (the virtual clock: the driver
+    calls :meth:`step` when the server's simulated step ends).
     """
 
     def __init__(self, cfg: ExperimentConfig, num_classes: int, in_channels: int, image_size: int,
@@ -642,6 +684,7 @@ class ServerCore:
         self.device = device
         self.global_test = global_test
         self.buffer_size, self.background, self.max_staleness = needs.buffer_size, needs.background, needs.max_staleness
+        self.inline = not needs.background and not needs.steps_on_request  # aggregate in submit() once K are in
         self.max_version = cfg.federation.rounds
         spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x, device)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
@@ -725,7 +768,7 @@ class ServerCore:
             ready = self.buffer_ready()
             if ready and self.background:
                 self.cond.notify_all()
-        if ready and not self.background:
+        if ready and self.inline:
             receipt.update(self.step())
         return receipt
 

@@ -481,6 +481,7 @@ def _start(run: _Run) -> None:
              f"actor) and 1 server actor; per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; "
              f"{concurrency}")
     if run.ckpt is None:
+        from rayfed_proto.runtime.evaluations import eval_sample
         from rayfed_proto.tracking import plots
 
         run.tracker.log_artifact(run.out / "config.yaml")
@@ -489,6 +490,9 @@ def _start(run: _Run) -> None:
                                                 class_names=run.class_names,
                                                 title=f"{cfg.data.name}: {cfg.data.partition.name} partition")
         run.tracker.log_artifact(heatmap, "plots")
+        if (sample := eval_sample(fed.eval_clients, fed.num_clients, cfg.seed)) is not None:  # the evaluated clients
+            (run.out / "eval_clients.txt").write_text("".join(f"{c}\n" for c in sample))
+            run.tracker.log_artifact(run.out / "eval_clients.txt")
         run.run_log.started()
     run.fleet.wait_started(cfg.resources.placement_timeout_s, run.progress)
 
@@ -500,6 +504,7 @@ def _restore(run: _Run) -> None:
 
 def _make_scheduler(run: _Run, on_eval, on_version):
     """The event loop, wired to MLflow (evaluations), the progress bar, checkpoints and restarts."""
+    from rayfed_proto.runtime.evaluations import eval_sample
     from rayfed_proto.runtime.progress import ProgressWatch
     from rayfed_proto.runtime.scheduler import Hooks, Limits, Scheduler
 
@@ -540,7 +545,8 @@ def _make_scheduler(run: _Run, on_eval, on_version):
         rounds=fed.rounds, eval_every=fed.eval_every, real_slots=run.plan.concurrency, checkpoint_every=cfg.checkpoint.every,
         max_client_failures=cfg.reliability.max_client_failures, max_server_failures=cfg.reliability.max_server_failures,
         drain_timeout_s=cfg.reliability.drain_timeout_s, stop_at_version=_stop_at(cfg, run.start_version),
-        start_version=run.start_version, evaluate_start=not any(h["version"] == run.start_version for h in run.history))
+        start_version=run.start_version, evaluate_start=not any(h["version"] == run.start_version for h in run.history),
+        eval_clients=eval_sample(fed.eval_clients, fed.num_clients, cfg.seed))
     hooks = Hooks(on_eval=handle_eval, on_version=handle_version, on_checkpoint=write_checkpoint,
                   restart_client_actor=restart_worker, restart_server=lambda: fleet.restart_server(run.echo))
     scheduler = Scheduler(run.policy, fleet.handles["server"], fleet.handles["actors"], run.groups, limits, hooks,
@@ -695,18 +701,25 @@ def _system_model(cfg: ExperimentConfig, partition, num_classes: int, channels: 
     if getattr(cfg, "system", None) is None:
         return None
     from rayfed_proto.algorithms import ALGORITHMS
-    from rayfed_proto.algorithms.base import UpdateSizes
+    from rayfed_proto.algorithms.base import ServerSizes, UpdateSizes
     from rayfed_proto.system import SystemModel
 
     # the work one local update declares (the run's method, whichever it is), per client
-    client_cls, options = ALGORITHMS.get(cfg.algorithm.name).Client, cfg.algorithm_options()
-    work = [client_cls.update_work(options, UpdateSizes(
+    method, options = ALGORITHMS.get(cfg.algorithm.name), cfg.algorithm_options()
+    counts = [np.bincount(partition.labels[s.train_idx], minlength=num_classes) for s in partition.clients]
+    work = [method.Client.update_work(options, UpdateSizes(
         train=len(s.train_idx), local_epochs=cfg.training.local_epochs, batch_size=cfg.training.batch_size,
         unlabelled=len(s.unlabelled_idx), public=len(partition.public_idx),
-        train_class_counts=tuple(int(n) for n in np.bincount(partition.labels[s.train_idx], minlength=num_classes))))
-        for s in partition.clients]
+        train_class_counts=tuple(int(n) for n in counts[c]))) for c, s in enumerate(partition.clients)]
+    # and the work of one server step, for the updates it aggregates and the clients that have uploaded
+    classes = float(np.mean([np.count_nonzero(n) for n in counts])) if counts else 0.0
+
+    def server_work(updates: int, uploaders: int) -> list:
+        return method.Server.server_work(options, ServerSizes(updates, num_classes, cfg.model.feature_dim,
+                                                              len(partition.public_idx), classes, uploaders))
+
     return SystemModel.from_config(cfg, [len(s.train_idx) for s in partition.clients], channels, image_size, num_classes,
-                                   work=work)
+                                   work=work, server_work=server_work)
 
 
 def _alive_infos(handles: list) -> list[dict[str, Any]]:

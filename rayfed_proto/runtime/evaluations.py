@@ -25,9 +25,27 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional, Union
+
+import numpy as np
 
 from rayfed_proto.tracking.round_metrics import version_metrics
+
+EVAL_SAMPLE_STREAM = 0xE7A1  # default_rng([seed, EVAL_SAMPLE_STREAM]): the evaluated clients' own stream
+
+
+def eval_sample(eval_clients: Union[str, int, float], num_clients: int, seed: int) -> Optional[list[int]]:
+    """The clients every evaluation covers (``federation.eval_clients``), sorted; None: all of them.
+    A number or a fraction (ceil(f x N)) of the clients, drawn once from the run's seed on a stream
+    of its own (no other random stream moves), so every version is evaluated on the same clients
+    (FedScale's fixed evaluation sample) and training never changes."""
+    if eval_clients == "all":
+        return None
+    m = int(eval_clients) if isinstance(eval_clients, int) else math.ceil(float(eval_clients) * num_clients)
+    if m >= num_clients:
+        return None
+    rng = np.random.default_rng([seed, EVAL_SAMPLE_STREAM])
+    return sorted(int(c) for c in rng.choice(num_clients, size=m, replace=False))
 
 
 @dataclass
@@ -52,12 +70,18 @@ class Evaluations:
     """Which versions are evaluated, in which client states, and their results as they arrive."""
 
     def __init__(self, eval_every: int, rounds: int, counts: dict[int, int], version: int, stats,
-                 on_eval: Callable[[int, dict[str, Any]], None], real_slots: int, resolve: Callable[[Any], Any]):
+                 on_eval: Callable[[int, dict[str, Any]], None], real_slots: int, resolve: Callable[[Any], Any],
+                 sample: Optional[list[int]] = None):
         """``counts``: each client's local updates done at the start (its state then);
-        ``resolve``: turns the server's stats ref into the stats (``ray.get``)."""
+        ``resolve``: turns the server's stats ref into the stats (``ray.get``); ``sample``: the
+        clients evaluated (:func:`eval_sample`; None: all): the others' states are never asked for."""
         self.eval_every, self.rounds, self.stats, self.on_eval = eval_every, rounds, stats, on_eval
         self.real_slots, self.resolve = real_slots, resolve
+        self.sample = None if sample is None else frozenset(sample)
         self.log: dict[int, list[tuple[int, float]]] = {c: [(n, -math.inf)] for c, n in counts.items()}
+        # clients whose log holds more than one entry: the only ones a trim can shorten. Trimming every
+        # client at each scheduler step cost 15 ms per update at 10,000 clients (docs/benchmarks.md)
+        self.long: set[int] = set()
         self.formed_queue: list[_Formed] = []  # formed, not started: version order
         self.running: dict[int, _Running] = {}
         self.tickets = 0  # submissions made
@@ -82,6 +106,7 @@ class Evaluations:
         """A worker was recreated from a checkpoint: its clients' states are those now."""
         for c, n in counts.items():
             self.log[c] = [(n, -math.inf)]
+            self.long.discard(c)
 
     def _state_before(self, client: int, version: float) -> int:
         return next(n for n, at in reversed(self.log[client]) if at < version)
@@ -89,14 +114,26 @@ class Evaluations:
     def _oldest_asked(self) -> float:
         return self.formed_queue[0].version if self.formed_queue else self.newest + 1
 
-    def keep_from(self, client: int) -> int:
-        """The oldest state of ``client`` an evaluation not yet started may ask for."""
+    def keep_from(self, client: int) -> Optional[int]:
+        """The oldest state of ``client`` an evaluation not yet started may ask for (None: no
+        evaluation ever asks for it, a client outside the sample)."""
+        if self.sample is not None and client not in self.sample:
+            return None
         return self._state_before(client, self._oldest_asked())
 
     def _trim(self, client: int) -> None:
         log, oldest = self.log[client], self._oldest_asked()
         keep = max(i for i, (_, at) in enumerate(log) if at < oldest)
         del log[:keep]
+        if len(log) > 1:
+            self.long.add(client)
+        else:
+            self.long.discard(client)
+
+    def _trim_all(self) -> None:
+        """Drop every entry no evaluation can ask for any more (the clients with more than one)."""
+        for c in list(self.long):
+            self._trim(c)
 
     # ------------------------------------------------------------------ versions
     def due(self, version: int) -> bool:
@@ -114,10 +151,9 @@ class Evaluations:
         ``launch(version, state_ref, as_of)`` sends it to the workers and returns their number."""
         while self.formed_queue and min(self.open, default=math.inf) > self.formed_queue[0].gate:
             f = self.formed_queue.pop(0)
-            as_of = {c: self._state_before(c, f.version) for c in self.log}
+            as_of = {c: self._state_before(c, f.version) for c in self.log if self.sample is None or c in self.sample}
             self.running[f.version] = _Running(launch(f.version, f.state_ref, as_of), as_of, f.counters)
-        for c in self.log:
-            self._trim(c)
+        self._trim_all()
 
     def busy(self) -> bool:
         return bool(self.formed_queue or self.running)
@@ -129,7 +165,7 @@ class Evaluations:
         self.formed_queue = [f for f in self.formed_queue if f.version <= version]
         self.running = {v: r for v, r in self.running.items() if v <= version}
         self.newest = version
-        for c, log in self.log.items():
+        for c, log in self.log.items():  # every client: a single entry may name a version that is gone
             self.log[c] = [(n, min(at, version)) for n, at in log]
             self._trim(c)
 
@@ -141,6 +177,7 @@ class Evaluations:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.log = {int(c): [(int(n), float(at)) for n, at in log] for c, log in state["log"].items()}
+        self.long = {c for c, log in self.log.items() if len(log) > 1}
 
     # ------------------------------------------------------------------ results
     def result(self, version: int, results: list[dict[str, Any]]) -> None:

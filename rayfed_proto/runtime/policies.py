@@ -42,6 +42,7 @@ class ServerNeeds:
     buffer_size: Optional[int]  # a version every K accepted updates; None: the driver asks for each step
     background: bool  # a server thread aggregates beside intake (async in real time)
     max_staleness: float  # accepted updates trained at most this many versions ago
+    steps_on_request: bool = False  # with a buffer size, no inline step: the driver asks (the server's simulated time)
 
 
 @dataclass
@@ -49,7 +50,7 @@ class Pending:
     """One entry of the scheduler's in-flight table: what the ref is and who handles it."""
 
     handler: Callable[[Any, Pending], None]
-    kind: str  # "train" | "receipt" | "step" | "eval" | "versions"
+    kind: str  # "train" | "receipt" | "step" | "eval" | "versions" | "discard"
     client: int = -1
     update_ref: Any = None
     version: int = -1
@@ -76,6 +77,8 @@ class Port(Protocol):
     def hand_over(self, update: Any, client: int, meta: dict[str, Any]) -> bool: ...  # submit and take the receipt now; False: the server died
 
     def request_step(self) -> None: ...  # aggregate what the server holds into the next version
+
+    def step_now(self) -> bool: ...  # aggregate K buffered updates now and take the version; False: the server died
 
     def eligible(self, one_per_actor: bool = False) -> list[int]: ...  # not excluded, nothing in flight
 
@@ -105,6 +108,7 @@ class FederationPolicy(Protocol):
     def on_server_report(self, backlog: int, version: int) -> None: ...  # the buffer's fill, read at a version
     def on_lost(self, p: Pending) -> None: ...  # its actor died
     def on_new_version(self, version: int) -> None: ...
+    def may_lose(self, client: int) -> bool: ...  # an update dispatched now may be lost (keep the state before it)
     def exclude(self, client: int) -> None: ...
     def quiet(self) -> bool: ...  # nothing the policy holds back is real work in flight
     def at_server(self) -> int: ...  # updates the server holds that a restart would lose
@@ -125,7 +129,8 @@ def make_policy(federation, system, *, seed: int, real_slots: int) -> Federation
     if federation.mode == "sync":
         return SyncRounds(federation.num_clients, per_round, rng, clock,
                           deadline_s=federation.round_deadline_s, over_selection=federation.over_selection)
-    needs = ServerNeeds(federation.buffer_size, background=clock is None, max_staleness=federation.max_staleness)
+    needs = ServerNeeds(federation.buffer_size, background=clock is None, max_staleness=federation.max_staleness,
+                        steps_on_request=clock is not None)
     if clock is None:
         return AsyncSlots(federation.num_clients, real_slots, needs, rng)
     concurrency = int(federation.concurrency) if federation.concurrency != "auto" else per_round
@@ -168,6 +173,10 @@ class _Policy:
 
     def on_new_version(self, version: int) -> None:
         pass
+
+    def may_lose(self, client: int) -> bool:
+        """Virtual clock: ``client`` may go offline before an update dispatched now finishes."""
+        return self.clock is not None and self.clock.may_go_offline(client)
 
     def exclude(self, client: int) -> None:
         pass
@@ -306,9 +315,9 @@ class SyncRounds(_Policy):
             self.port.request_step()
 
     def on_new_version(self, version: int) -> None:
+        if self.clock is not None:  # the next round starts once the server's step is done
+            self.clock.now = max(self.clock.now, self.round_end) + self.clock.server_step_s(self.submitted)
         self.submitted, self.stepping = 0, False  # the round's step consumed them
-        if self.clock is not None:
-            self.clock.now = max(self.clock.now, self.round_end)
 
     def quiet(self) -> bool:
         return not (self.in_round or self.stepping)
@@ -382,16 +391,25 @@ class VirtualAsync(_Policy):
     """Asynchronous FL in simulated time: ``concurrency`` clients train at once in the simulated
     federation (any number of real slots run them); each finished update goes to the server in
     order of simulated finish time, and a replacement is dispatched at that simulated instant
-    against the newest version. The server aggregates inline (no training thread): the version a
-    replacement trains against is decided by the simulated order alone."""
+    against the newest version. The server is a simulated resource, as the real runtime's training
+    thread: once K accepted updates wait and it is idle, a step starts and takes the method's
+    declared server work (``clock.server_step_s``); updates arriving meanwhile are buffered against
+    the current version and wait for the next step, and replacements train against the current
+    version until the step ends. The version a replacement trains against is decided by the
+    simulated order alone (a free server steps at once, as an inline aggregation)."""
 
     def __init__(self, num_clients: int, concurrency: int, needs: ServerNeeds, rng: np.random.Generator,
                  clock: VirtualClock):
         self.num_clients, self.concurrency, self.needs, self.rng, self.clock = num_clients, concurrency, needs, rng, clock
-        self.buffered = 0  # accepted since the last version (lost at the server if it dies)
+        self.buffered = 0  # accepted and not yet taken by a step (lost at the server if it dies)
+        self.step_done: Optional[float] = None  # simulated time at which the running server step ends
+        self.uploaders: set[int] = set()  # clients whose upload the server holds (a step's declared work)
 
     def _dispatch_free_slots(self) -> None:
-        while self.port.accepting() and self.clock.in_flight() < self.concurrency:
+        # backpressure, as AsyncSlots: while a full next version already waits for the busy server, a
+        # new update would only wait there too and grow stale (never with a free server: it steps at once)
+        while (self.port.accepting() and self.clock.in_flight() < self.concurrency
+               and self.buffered < self.needs.buffer_size):
             taken = self.clock.clients_in_flight()
             pool = [c for c in self.port.eligible() if c not in taken]
             online = self.clock.online(pool)
@@ -405,10 +423,18 @@ class VirtualAsync(_Policy):
             p.entry = self.clock.start(c, p, self.port.version)
 
     def fill(self) -> None:
-        """Dispatch up to the simulated concurrency, then hand over every update known to be next
-        in simulated time, dispatching each replacement at that update's finish time."""
+        """Dispatch up to the simulated concurrency, then take the events known to be next in
+        simulated time: a server step ending (the version is out), or an update arriving (handed
+        over, a step started if K wait, the replacement dispatched at that instant)."""
+        if not self._start_step():  # K may wait from before a checkpoint's drain
+            return
         self._dispatch_free_slots()
         while self.port.accepting():
+            if self._step_ends_next():
+                if not self._end_step():
+                    return  # the server died: the policy was told (server_restarted)
+                self._dispatch_free_slots()  # slots held back while a full version waited
+                continue
             e = self.clock.pop_ready()
             if e is None:
                 return
@@ -419,7 +445,35 @@ class VirtualAsync(_Policy):
             self.port.account(e.client, e.meta)  # counters move in simulated order, not in the order work returned
             if not self.port.hand_over(e.update, e.client, e.meta):
                 return  # the server died: the policy was told (server_restarted)
+            self.uploaders.add(e.client)
+            if not self._start_step():  # a free server's step ends at once: the replacement trains on it
+                return
             self._dispatch_free_slots()
+
+    def _step_ends_next(self) -> bool:
+        """The running server step ends before any update can arrive (an update still computing is
+        keyed by a lower bound of its finish; at a tie the version is out first)."""
+        e = self.clock.first()
+        return self.step_done is not None and (e is None or e.finish >= self.step_done)
+
+    def _start_step(self) -> bool:
+        """The server is idle and K accepted updates wait: a step starts now and ends after the
+        method's declared server work; a free one ends at once. False: the server died."""
+        if self.step_done is not None or self.buffered < self.needs.buffer_size or not self.port.accepting():
+            return True
+        self.buffered -= self.needs.buffer_size  # the step takes the K oldest (the server's buffer keeps them until it ends)
+        self.step_done = self.clock.now + self.clock.server_step_s(self.needs.buffer_size, len(self.uploaders))
+        return self._end_step() if self.step_done <= self.clock.now else True
+
+    def _end_step(self) -> bool:
+        """The running step ends: the clock moves there, the server aggregates the K oldest buffered
+        updates into the next version (those that arrived meanwhile wait), and the next step starts
+        if K wait again."""
+        self.clock.now = max(self.clock.now, self.step_done)
+        self.step_done = None
+        if not self.port.step_now():
+            return False
+        return self._start_step()
 
     def on_update(self, p: Pending, meta: dict[str, Any]) -> None:
         self.clock.finish(p.entry, meta, p.update_ref)  # released by fill(), in simulated order
@@ -429,13 +483,13 @@ class VirtualAsync(_Policy):
         return True
 
     def on_receipt(self, receipt: dict[str, Any]) -> None:
-        self.buffered = 0 if receipt.get("new_version") is not None else self.buffered + bool(receipt.get("accepted"))
+        self.buffered += bool(receipt.get("accepted"))
 
     def on_lost(self, p: Pending) -> None:
         self.clock.drop(p.entry)
 
     def at_server(self) -> int:
-        return self.buffered
+        return self.buffered + (self.needs.buffer_size if self.step_done is not None else 0)
 
     def held_back(self) -> int:
         return sum(1 for e in self.clock.entries.values() if e.exact and not e.dropped)
@@ -444,5 +498,15 @@ class VirtualAsync(_Policy):
         # updates back but not handed over trained against versions that no longer exist
         self.port.lost_at_server(self.held_back())
         self.clock.entries.clear()  # the rest are orphans: counted lost when they return
-        self.buffered = 0
+        self.buffered, self.step_done = 0, None
+
+    def state_dict(self, resolve) -> dict[str, Any]:
+        return {**super().state_dict(resolve), "buffered": self.buffered, "step_done": self.step_done,
+                "uploaders": sorted(self.uploaders)}
+
+    def load_state_dict(self, state: dict[str, Any], store) -> None:
+        super().load_state_dict(state, store)
+        self.buffered = int(state.get("buffered", 0))  # absent: a checkpoint of an inline server (none buffered)
+        self.step_done = state.get("step_done")
+        self.uploaders = {int(c) for c in state.get("uploaders", [])}
 

@@ -65,6 +65,7 @@ class SchedulerStats:
     excluded: list[int] = field(default_factory=list)  # clients dropped from sampling after repeated failures
     updates_dropped_offline: int = 0  # virtual clock: lost because the client went offline before they finished
     client_dropped_offline: dict[int, int] = field(default_factory=dict)  # client -> its updates dropped offline
+    dropped_kept: int = 0  # dropped offline, but no state from before it was kept (resumed run): training kept
     updates_dropped_deadline: int = 0  # sync, virtual clock: would finish after federation.round_deadline_s
     updates_dropped_over_selection: int = 0  # sync, virtual clock: finished after the round's first K (over_selection)
     client_dropped_deadline: dict[int, int] = field(default_factory=dict)  # client -> its updates dropped by a deadline
@@ -85,6 +86,7 @@ class Limits:
     stop_at_version: Optional[int] = None
     start_version: int = 0
     evaluate_start: bool = True
+    eval_clients: Optional[list[int]] = None  # the clients every evaluation covers (None: all)
 
 
 @dataclass
@@ -120,7 +122,7 @@ class Scheduler:
         self.first_update_unix: Optional[float] = None  # when the first local update came back (startup cost)
         counts = {c: n for host in ray.get([a.update_counts.remote() for a in actors]) for c, n in host.items()}
         self.evals = Evaluations(limits.eval_every, limits.rounds, counts, self.version, self.stats, hooks.on_eval,
-                                 limits.real_slots, ray.get)
+                                 limits.real_slots, ray.get, limits.eval_clients)
         policy.bind(self)
 
     # ---------------------------------------------------------------------------- the port (policies.Port)
@@ -135,7 +137,7 @@ class Scheduler:
         """Start ``client``'s local update against the newest version."""
         a = self.actor_of[client]
         meta_ref, update_ref = self.actors[a].train.options(num_returns=2).remote(
-            client, self.global_ref, self.evals.keep_from(client))
+            client, self.global_ref, self.evals.keep_from(client), self.policy.may_lose(client))
         return self._training(client, a, meta_ref, update_ref)
 
     def dispatch_group(self, clients: list[int]) -> list[Pending]:
@@ -145,13 +147,14 @@ class Scheduler:
         if not self.batch_clients:
             return [self.dispatch(c) for c in clients]
         by_actor: dict[int, list[int]] = {}
-        for c in clients:
-            by_actor.setdefault(self.actor_of[c], []).append(c)
+        for c in clients:  # an update that may be lost keeps its undo state: it goes alone (ClientHost.discard)
+            by_actor.setdefault(("alone", c) if self.policy.may_lose(c) else self.actor_of[c], []).append(c)
         started: dict[int, Pending] = {}
-        for a, group in by_actor.items():
+        for key, group in by_actor.items():
             if len(group) == 1:
                 started[group[0]] = self.dispatch(group[0])
                 continue
+            a = key
             refs = self.actors[a].train_group.options(num_returns=2 * len(group)).remote(
                 group, self.global_ref, [self.evals.keep_from(c) for c in group])
             for c, meta_ref, update_ref in zip(group, refs[0::2], refs[1::2], strict=True):
@@ -185,6 +188,17 @@ class Scheduler:
     def request_step(self) -> None:
         self.inflight[self.server.step.remote()] = Pending(self._on_receipt, "step")
 
+    def step_now(self) -> bool:
+        """Virtual clock: the server's step ends now in simulated time; its version is taken at once
+        (the next dispatch must see it). False: the server died."""
+        try:
+            receipt = ray.get(self.server.step.remote())
+        except RayActorError as err:
+            self.recovery.server_died(err)
+            return False
+        self._handle_receipt(receipt, step=True)
+        return True
+
     def eligible(self, one_per_actor: bool = False) -> list[int]:
         """Clients not excluded and with nothing in flight (``one_per_actor``: on a worker with
         nothing in flight), in client order: a seeded choice must not depend on the layout."""
@@ -213,7 +227,11 @@ class Scheduler:
     def dropped_offline(self, client: int, meta: dict[str, Any]) -> None:
         """A local update lost because its client went offline before it finished (virtual clock):
         never submitted. The client did train (busy time, download counted); its upload never
-        completed (not counted), and its model keeps the training, as after a refused update."""
+        completed (not counted), and the training is discarded (FedScale): its worker puts the
+        client's state back to before the update (dispatched ``may_lose``), so evaluations, which
+        never see an unhandled update, and its next update start from the same state."""
+        a = self.actor_of[client]
+        self.inflight[self.actors[a].discard.remote(client)] = Pending(self._on_discarded, "discard", client=client, actor=a)
         self.stats.updates_dropped_offline += 1
         self.stats.client_dropped_offline[client] = self.stats.client_dropped_offline.get(client, 0) + 1
         self.stats.busy_s += meta["busy_s"]
@@ -336,6 +354,13 @@ class Scheduler:
             return
         self.policy.on_update(p, meta)
 
+    def _on_discarded(self, ref, p: Pending) -> None:
+        try:
+            if not ray.get(ref):  # no state kept: a worker restored from a checkpoint since (docs/simulation.md)
+                self.stats.dropped_kept += 1
+        except RayActorError as err:
+            self.recovery.client_actor_died(p.actor, None, err)
+
     def _on_receipt(self, ref, p: Pending) -> None:
         try:
             receipt = ray.get(ref)
@@ -392,10 +417,14 @@ class Scheduler:
         return stats, self.wall(), self.policy.sim_now(), server_stats
 
     def _launch_eval(self, version: int, state_ref, as_of: dict[int, int]) -> int:
+        """One evaluation call per worker hosting a client of ``as_of`` (every client, or the sample)."""
+        parts = 0
         for a, clients in enumerate(self.actor_clients):
-            ref = self.actors[a].evaluate.remote(clients, state_ref, {c: as_of[c] for c in clients})
-            self.inflight[ref] = Pending(self._on_eval_result, "eval", version=version, actor=a)
-        return len(self.actor_clients)
+            if mine := [c for c in clients if c in as_of]:
+                ref = self.actors[a].evaluate.remote(mine, state_ref, {c: as_of[c] for c in mine})
+                self.inflight[ref] = Pending(self._on_eval_result, "eval", version=version, actor=a)
+                parts += 1
+        return parts
 
     def _on_eval_result(self, ref, p: Pending) -> None:
         try:

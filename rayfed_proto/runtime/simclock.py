@@ -114,6 +114,17 @@ class VirtualClock:
         self.now = max(self.now, e.finish)
         return e
 
+    def may_go_offline(self, client: int) -> bool:
+        """An update of ``client`` starting now may be lost: its client's window ends (availability windows)."""
+        offline = getattr(self.system, "offline_at", None)
+        return offline is not None and math.isfinite(offline(client, self.now))
+
+    def server_step_s(self, updates: int, uploaders: int = 0) -> float:
+        """Simulated seconds of a server step aggregating ``updates`` (0: a free server, or a system
+        model without a server, as the test doubles)."""
+        step_s = getattr(self.system, "server_step_s", None)
+        return float(step_s(updates, uploaders)) if step_s is not None else 0.0
+
     def drop(self, entry: SimEntry) -> None:
         """A lost update (its actor died): it never finishes."""
         self.entries.pop(entry.seq, None)

@@ -8,6 +8,8 @@ client's state as it was handed to the server (async in simulated time). Before 
 the evaluation of v saw each client one local update later than v; the replay shows that this
 reading (each client's newest state) gives other figures."""
 
+import copy
+import pickle
 import sys
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,8 @@ class _Replay:
         self.handed = {c: r.eval_state() for c, r in self.runners.items()}  # as of version 0: the initial models
         self.after: dict[tuple[int, int], dict] = {}  # (client, update no) -> its state after that update
         self.back: list[tuple[Pending, dict]] = []
+        self.before: dict[int, dict] = {}  # client -> its whole state before its update in flight
+        self.dropped = 0
         self.version, self.rounds = 0, cfg.federation.rounds
         self.accuracy = {0: self.evaluate()}
         self.newest: dict[int, float] = {}  # the same versions, every client in its newest state (in flight too)
@@ -121,6 +125,7 @@ class _Replay:
         return self.version < self.rounds
 
     def dispatch(self, client: int) -> Pending:
+        self.before[client] = copy.deepcopy(self.runners[client].state_dict())
         meta, update = self.runners[client].train(self.server.state)
         self.after[client, meta["update"]] = self.runners[client].eval_state()
         p = Pending(handler=None, kind="train", client=client, update_ref=update)
@@ -134,12 +139,24 @@ class _Replay:
         receipt = self.server.submit(update)
         self.handed[client] = self.after[client, meta["update"]]
         if receipt.get("new_version") is not None:
-            self.version = receipt["new_version"]
-            self.policy.on_new_version(self.version)
-            self.accuracy[self.version] = self.evaluate()
-            self.newest[self.version] = _accuracy([r.evaluate(self.server.state) for r in self.runners.values()])
+            self._formed(receipt["new_version"])
         self.policy.on_receipt(receipt)
         return True
+
+    def step_now(self) -> bool:
+        self._formed(self.server.step()["new_version"])
+        return True
+
+    def _formed(self, version: int) -> None:
+        self.version = version
+        self.policy.on_new_version(self.version)
+        self.accuracy[self.version] = self.evaluate()
+        self.newest[self.version] = _accuracy([r.evaluate(self.server.state) for r in self.runners.values()])
+
+    def dropped_offline(self, client: int, meta: dict) -> None:
+        """Lost offline: the training is discarded, the client goes back to its state before it (FedScale)."""
+        self.runners[client].load_state_dict(self.before.pop(client))
+        self.dropped += 1
 
     def eligible(self, one_per_actor: bool = False) -> list[int]:
         return sorted(self.runners)
@@ -179,3 +196,21 @@ def test_virtual_clock_evaluations_equal_each_client_as_handed_over_before_the_v
     # the comparison is sharp: each client's newest state (updates still in flight included), what
     # the evaluation saw before the invariant, gives other figures
     assert any(replay.newest[v] != replay.accuracy[v] for v in replay.newest)
+
+
+def test_a_dropped_update_is_discarded_so_evaluations_and_training_agree(ray_session, tracking, tmp_path, one_thread):
+    """Issue 35 item 9: an update lost offline (a FedScale trace's short windows) is never handed to the
+    server; its client goes back to its state before it, so later evaluations and its next update
+    start from the same state. The replay discards the lost training the same way; a run whose
+    clients kept it (before the fix) trains on from other states and logs other figures."""
+    _, track = tracking
+    trace = tmp_path / "client_behave_trace.pkl"
+    # trace client k: online [0, 0.4k) and [2, 2.5 + 0.4k) of every 6 simulated seconds (updates take ~0.5-2 s)
+    trace.write_bytes(pickle.dumps({k: {"active": [0.0, 2.0], "inactive": [0.4 * k, 2.5 + 0.4 * k],
+                                        "finish_time": 6.0} for k in range(1, 11)}))
+    cfg = build_config({}, VIRTUAL + track + ["system.availability.kind=fedscale", f"system.availability.path={trace}"])
+    result = run_experiment(cfg, **QUIET)
+    replay = _Replay(cfg).run()
+    assert replay.dropped > 0 and result.history[-1][names.FEDERATION_UPDATES_DROPPED_OFFLINE] == replay.dropped
+    logged = {h["version"]: h[names.EVAL_HEAD_ACC] for h in result.history}
+    assert logged == replay.accuracy

@@ -35,6 +35,9 @@ def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(r
     _, track = tracking
     runs = {per: run_experiment(build_config({}, VIRTUAL + track + [f"resources.clients_per_actor={per}"]), **QUIET)
             for per in ("8", "auto", "2")}
+    # issue 39 item 2: evaluating a fixed sample of 3 clients never changes training
+    sampled = run_experiment(build_config({}, VIRTUAL + track + ["resources.clients_per_actor=2",
+                                                                  "federation.eval_clients=3"]), **QUIET)
     assert [runs[p].resource_plan["num_actors"] for p in ("8", "auto", "2")] == [1, 2, 4]
     reference = _comparable(runs["8"].history)
     assert len(reference) == 7 and reference[-1][names.EVAL_HEAD_ACC] > 0
@@ -48,6 +51,16 @@ def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(r
     counts = runs["8"].client_updates
     assert sum(counts.values()) == reference[-1][names.FEDERATION_UPDATES_DISPATCHED]
     assert runs["auto"].client_updates == counts == runs["2"].client_updates
+    # the sampled run trains exactly as the others: the same updates, versions and simulated times; its
+    # evaluation covers the 3 clients named in eval_clients.txt (an MLflow artifact)
+    training = (names.FEDERATION_STALENESS_MEAN, names.FEDERATION_STALENESS_MAX, names.FEDERATION_UPDATES_ACCEPTED,
+                names.FEDERATION_UPDATES_DISPATCHED, names.FEDERATION_BYTES_UP, names.FEDERATION_BYTES_DOWN,
+                names.FEDERATION_SIM_TIME_S, names.SERVER_PROTO_MARGIN_MEAN, "version")
+    assert [{k: h[k] for k in training} for h in _comparable(sampled.history)] == [{k: h[k] for k in training}
+                                                                                    for h in reference]
+    assert sampled.client_updates == counts
+    listed = (sampled.output_dir / "eval_clients.txt").read_text().split()
+    assert len(listed) == 3 and sampled.history[-1][names.EVAL_HEAD_ACC] != reference[-1][names.EVAL_HEAD_ACC]
 
 
 def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_session, tracking, tmp_path):

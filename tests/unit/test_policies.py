@@ -41,7 +41,8 @@ def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_need
     assert real.needs == ServerNeeds(buffer_size=3, background=True, max_staleness=7) and real.waits_for_versions
     virtual = make_policy(fed(mode="async", buffer_size=3, num_clients=6, concurrency=4), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(virtual, VirtualAsync) and virtual.concurrency == 4 and virtual.clock is not None
-    assert virtual.needs == ServerNeeds(buffer_size=3, background=False, max_staleness=20)  # inline: simulated order decides
+    # no inline step: the policy steps the server when its simulated step ends (the server's time on the clock)
+    assert virtual.needs == ServerNeeds(buffer_size=3, background=False, max_staleness=20, steps_on_request=True)
     assert not virtual.waits_for_versions
     sync_clock = make_policy(fed(mode="sync"), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(sync_clock, SyncRounds) and sync_clock.clock is not None
@@ -301,3 +302,89 @@ def test_eligible_clients_are_the_idle_not_excluded_ones_in_client_order():
     assert Scheduler.eligible(s, one_per_actor=True) == [c for c in want if actor_of[c] == 2]  # workers 1, 0 busy
     s.stats.excluded, s.inflight = [], {}
     assert Scheduler.eligible(s) == list(range(50))
+
+
+@pytest.mark.parametrize("park", [False, True, "disk"])
+def test_a_lost_update_is_discarded_the_client_goes_back_to_its_state_before_it(host_data, park, tmp_path):
+    """Issue 35 item 9: an update dispatched ``undoable`` (its client may go offline first) and then
+    lost is discarded: the client's whole state (model, optimizer, RNG streams, count) goes back to
+    before it, so the next update is the one the lost update would have been, from the same state."""
+    from rayfed_proto.runtime.parking import ParkedStates
+
+    cfg, ds, part = host_data
+    cpu = torch.device("cpu")
+
+    def make():
+        store = ParkedStates.on_disk(str(tmp_path)) if park == "disk" else None
+        return ClientHost(cfg, ds, part.clients, cpu, park=bool(park), parked=store)
+
+    host, reference = make(), make()
+    state = GlobalState(version=0)
+    host.train(0, state)
+    reference.train(0, state)
+    lost_meta, lost = host.train(0, state, undoable=True)
+    assert host.discard(0) and host.update_counts()[0] == 1
+    assert not host.discard(0)  # nothing kept any more: a second discard changes nothing
+    meta, again = host.train(0, state)
+    ref_meta, expected = reference.train(0, state)
+    assert meta["update"] == ref_meta["update"] == 2
+    assert torch.equal(torch.as_tensor(again.prototypes.vectors), torch.as_tensor(expected.prototypes.vectors))
+    same = host.evaluate([0], state)[0], reference.evaluate([0], state)[0]
+    assert same[0]["head_correct"] == same[1]["head_correct"] and same[0]["train_loss"] == same[1]["train_loss"]
+    # a client whose first update is lost goes back to its seeded initial state
+    host.train(1, state, undoable=True)
+    assert host.discard(1) and host.update_counts()[1] == 0
+    assert host.evaluate([1], state)[0]["head_correct"] == reference.evaluate([1], state)[0]["head_correct"]
+    # an update not dispatched undoable keeps its training (a worker restored from a checkpoint since)
+    host.train(2, state)
+    assert not host.discard(2) and host.update_counts()[2] == 1
+
+
+def test_eval_clients_is_a_fixed_seeded_sample_and_its_states_alone_are_asked_for():
+    """Issue 39 item 2: federation.eval_clients: all, a number or a fraction, drawn once from the seed
+    (the same clients at every version); the others are never evaluated, so no state is kept for them."""
+    from rayfed_proto.config import ConfigError
+    from rayfed_proto.runtime.evaluations import eval_sample
+
+    assert eval_sample("all", 10, 0) is None and eval_sample(10, 10, 0) is None and eval_sample(1.0, 10, 0) is None
+    three = eval_sample(3, 10, 0)
+    assert len(three) == 3 and three == sorted(three) and three == eval_sample(3, 10, 0)
+    assert eval_sample(0.25, 10, 0) == eval_sample(3, 10, 0)  # ceil(0.25 x 10) = 3, the same draw
+    assert any(eval_sample(3, 10, s) != three for s in (1, 2, 3))  # the seed decides
+    sample = eval_sample(2, 4, 7)
+    logged = {}
+    evals = Evaluations(1, 5, {c: 0 for c in range(4)}, 0, SchedulerStats(), lambda v, m: logged.__setitem__(v, m),
+                        real_slots=1, resolve=lambda ref: ref, sample=sample)
+    asked = []
+    evals.formed(1, "s1", lambda: ())
+    evals.start_ready(lambda v, ref, as_of: asked.append(as_of) or 1)
+    assert [sorted(a) for a in asked] == [sample]
+    others = [c for c in range(4) if c not in sample]
+    assert all(evals.keep_from(c) is None for c in others) and all(evals.keep_from(c) == 0 for c in sample)
+    with pytest.raises(ConfigError, match=r"federation.eval_clients = 0: must be all, a number of clients >= 1"):
+        build_config({}, ["federation.eval_clients=0"])
+    with pytest.raises(ConfigError, match=r"federation.eval_clients = 30: all, at most federation.num_clients \(20\)"):
+        build_config({}, ["federation.eval_clients=30"])
+
+
+def test_start_ready_trims_only_the_clients_whose_log_can_shrink():
+    """Issue 39 item 4: trimming every client's log at every scheduler step cost 15 ms per update at
+    10,000 clients. Only clients with more than one entry are kept in ``long`` and trimmed; the logs
+    are as short as before and every state asked for is the same."""
+    evals, _ = make_evals({c: 0 for c in range(1000)}, eval_every=5, rounds=10)
+    assert evals.long == set()
+    for c in range(0, 1000, 100):
+        evals.handed(c, 1, 0)  # handed at version 0: counts for version 1 on
+    evals.formed(1, "s1", lambda: ())  # not due (eval_every 5): the oldest asked moves to 2
+    evals.start_ready(lambda v, ref, as_of: 1)
+    assert evals.long == set() and all(len(log) == 1 for log in evals.log.values())
+    assert evals.keep_from(100) == 1 and evals.keep_from(101) == 0
+    evals.formed(5, "s5", lambda: ())  # due: queued until earlier receipts are back
+    t = evals.ticket()
+    evals.handed(200, 2, 5, t)  # at version 5: the evaluation of 5 still asks for state 1
+    assert evals.long == {200} and evals.keep_from(200) == 1
+    asked = []
+    evals.start_ready(lambda v, ref, as_of: asked.append(as_of) or 1)
+    assert asked[0][200] == 1 and asked[0][100] == 1 and asked[0][101] == 0
+    # started: no evaluation waits any more, later ones ask for state 2 at the earliest, the log shrinks
+    assert evals.long == set() and evals.log[200] == [(2, 5)]
