@@ -131,12 +131,11 @@ class ServerPass:
 
 
 def steps_per_epoch(n: int, batch_size: int) -> int:
-    """Mini-batches of one epoch of :class:`TrainBatchIterator` over ``n`` samples (a last batch of
-    one sample is folded into the previous one)."""
+    """Mini-batches of one epoch of :class:`TrainBatchIterator` over ``n`` samples (an incomplete
+    last batch is folded into the previous one; fewer than ``batch_size`` samples are one batch)."""
     if n <= 0:
         return 0
-    steps = -(-n // batch_size)
-    return steps - 1 if steps > 1 and n - (steps - 1) * batch_size == 1 else steps
+    return max(1, n // batch_size)
 
 
 @dataclass

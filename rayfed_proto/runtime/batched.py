@@ -299,10 +299,12 @@ class _Objective(torch.nn.Module):
         return self.algorithm.loss(self.model, x, y)
 
 
-def _batches(member: Member, epochs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """A client's mini-batches over its whole update, drawn as its own loop draws them."""
-    for _ in range(epochs):
-        yield from member.batches.epoch()
+def _batches(member: Member, epochs: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """A client's mini-batches over its whole update, drawn as its own loop draws them, each with
+    whether it is of the last local epoch (``prototype_source: train_last_epoch`` records only those)."""
+    for epoch in range(epochs):
+        for xb, yb in member.batches.epoch():
+            yield xb, yb, epoch == epochs - 1
 
 
 def _stack(members: list[Member], named: str) -> dict[str, torch.Tensor]:
@@ -325,7 +327,9 @@ class BatchedUpdate:
         self.optimizer = StackedOptimizer(members, self.names, self.params)
         self.max_norm = getattr(lead.optimizer, "max_grad_norm", None)
         self.tally = StackedTally(len(members), device)
-        collect = lead.algorithm.prototype_source() == "train" and hasattr(lead.model, "projection")
+        source = lead.algorithm.prototype_source()
+        collect = source in ("train", "train_last_epoch") and hasattr(lead.model, "projection")
+        self.last_epoch_only = source == "train_last_epoch"
         self.protos = StackedPrototypes(members, lead.algorithm.spec.num_classes) if collect else None
         self._recorded: list[torch.Tensor] = []
         self._step = vmap(grad_and_value(self._loss, has_aux=True))
@@ -393,7 +397,10 @@ class BatchedUpdate:
             if feats.numel() == 0:
                 raise RuntimeError("prototype_source 'train' needs exactly one forward pass of the batch through "
                                    "model.features per step; this method's loss does otherwise: use prototype_source 'eval'")
-            self.protos.add(idx, applied, feats, y)
+            record = applied
+            if self.last_epoch_only:  # ClientAlgorithm.local_train: only the last epoch's passes
+                record = applied & torch.tensor([b[2] for _, b in group], device=applied.device)
+            self.protos.add(idx, record, feats, y)
 
     @torch.no_grad()
     def _write_back(self) -> None:

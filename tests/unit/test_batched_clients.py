@@ -95,7 +95,9 @@ def test_one_batched_step_equals_one_step_of_each_client(method):
 def test_batched_clients_equal_one_after_another_over_three_rounds(method):
     # lr 0.05: out of the first rounds' chaotic phase, where FedLSA's and FedSC's accuracy at the
     # default 0.01 flips on rounding (a test sample in 452 is 0.22 points)
-    cfg, ds, part, public_x = _federation(method, "training.lr=0.05")
+    # FedLSA at 0.02: with the pool projector's shared initial models its loss at 0.05 sits on a
+    # knife edge where float rounding alone moves round 3's loss by 2 % (0.02: 2e-7 relative)
+    cfg, ds, part, public_x = _federation(method, "training.lr=0.02" if method == "fedlsa" else "training.lr=0.05")
     _, metas_off, acc_off, _ = _rounds(cfg, ds, part, public_x, "off", 3)
     _, metas_on, acc_on, _ = _rounds(cfg, ds, part, public_x, "on", 3)
     assert abs(acc_off - acc_on) <= 0.2
@@ -154,7 +156,7 @@ def _one_after_another(members, epochs: int = 2) -> list[dict]:
     ("adam", {}), ("adam", {"weight_decay": 1e-3})])
 @pytest.mark.parametrize("max_grad_norm", [None, 0.05])
 def test_batched_update_keeps_each_clients_batchnorm_optimizer_clipping_and_prototypes(optimizer, hyper, max_grad_norm):
-    sizes = [17, 33, 8, 25]  # 3, 5 (last one folded), 1 and 4 batches a epoch: clients drop out, sizes differ
+    sizes = [17, 33, 8, 25]  # 2, 4, 1 and 3 batches an epoch (incomplete last ones folded): clients drop out, sizes differ
     alone, together = _bn_members("fedproto", optimizer, sizes, **hyper), _bn_members("fedproto", optimizer, sizes, **hyper)
     for m in alone + together:
         m.optimizer.max_grad_norm = max_grad_norm
@@ -163,7 +165,9 @@ def test_batched_update_keeps_each_clients_batchnorm_optimizer_clipping_and_prot
     for a, b, ta, tb in zip(alone, together, terms_alone, terms_together, strict=True):
         for (k, x), y in zip(a.model.state_dict().items(), b.model.state_dict().values(), strict=True):
             if x.is_floating_point():  # parameters and BatchNorm running statistics, per client
-                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5, msg=k)
+                # Adam with clipping divides rounding noise by sqrt(v): over 2 epochs of 9-sample folded
+                # batches it reaches 1.4e-5 on weights of 0.4 (a client with another's state differs by 1e-2)
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 if optimizer == "sgd" else 5e-5, msg=k)
             else:
                 assert torch.equal(x, y), k  # num_batches_tracked: the client's own count of steps
         assert ta.keys() == tb.keys()

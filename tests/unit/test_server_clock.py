@@ -141,7 +141,11 @@ def test_fedtgp_declares_its_generator_epochs_and_fedproto_nothing():
     expected = (steps * 10 * 2 * 64 * 64 * 2 * 3 + steps * 10 * 10 * 64 * 2 * 3 + 10 * 2 * 64 * 64 * 2) / 1e9
     assert server_step_work_s(work, {}, 1e9) == pytest.approx(expected)
     opts_latest = opts.model_copy(update={"aggregation_scope": "latest"})
-    assert tgp.Server.server_work(opts_latest, sizes)[0].samples == 100 * 8 * 10  # 20 uploaders x 4 = 80 pairs
+    # 20 uploaders x 4 = 80 pairs; server_work per_update (the default) trains 100 x 5 / 20 = 25
+    # epochs on them, the reference's work per client update, as the step itself does (epochs_for)
+    assert tgp.Server.server_work(opts_latest, sizes)[0].samples == 25 * 8 * 10
+    per_version = opts_latest.model_copy(update={"server_work": "per_version"})
+    assert tgp.Server.server_work(per_version, sizes)[0].samples == 100 * 8 * 10
     proto = ALGORITHMS.get("fedproto")
     assert proto.Server.server_work(build_config({}, ["algorithm.name=fedproto"]).algorithm_options(), sizes) == []
 

@@ -61,7 +61,10 @@ def test_the_default_cost_is_unchanged_for_fedavg_exactly():
 
 
 def test_declared_extra_passes_of_the_other_methods():
-    assert work("fedsc") == [Pass("train", 80, True), Pass("train", 40, False)]  # + local prototypes, eval mode
+    # FedSC's default (variant code) averages the last epoch's training features: no extra pass;
+    # variant paper adds the local prototypes' eval-mode pass
+    assert work("fedsc") == [Pass("train", 80, True)]
+    assert work("fedsc", variant="paper") == [Pass("train", 80, True), Pass("train", 40, False)]
     # FedTGP and FedSAP upload the prototypes of an eval-mode pass after training by default
     assert work("fedtgp") == work("fedsap") == [Pass("train", 80, True), Pass("train", 40, False)]
     assert work("fedtgp", prototype_source="train") == [Pass("train", 80, True)]
