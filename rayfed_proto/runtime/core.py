@@ -684,7 +684,7 @@ class ServerCore:
         self.device = device
         self.global_test = global_test
         self.buffer_size, self.background, self.max_staleness = needs.buffer_size, needs.background, needs.max_staleness
-        self.inline = not needs.background and not needs.steps_on_request  # aggregate in submit() once K are in
+        self.steps_on_request = needs.steps_on_request
         self.max_version = cfg.federation.rounds
         spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x, device)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
@@ -702,6 +702,12 @@ class ServerCore:
         self.state, self.margins[0] = self._broadcast(0)
         self.version_metrics[0] = {}
         self._start_global_eval(0)
+
+    @property
+    def inline(self) -> bool:
+        """Aggregate in :meth:`submit` once K updates are in: neither a server thread
+        (``background``) nor the driver (``steps_on_request``, the virtual clock) steps."""
+        return not self.background and not self.steps_on_request
 
     def _start_global_eval(self, version: int) -> None:
         """Global-test-set accuracy of the server's model at an evaluated version (methods with a

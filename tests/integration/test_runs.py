@@ -42,7 +42,7 @@ def test_async_fedtgp_run_writes_metrics_params_and_artifacts(ray_session, track
     assert [s for s, _ in metric_steps(client, result.run_id, "eval/proto_acc")] == [2, 4, 6]  # no bank at version 0
     up = metric_steps(client, result.run_id, "federation/bytes_up")
     assert up[-1][1] > up[1][1] > 0  # cumulative bytes grow
-    assert metric_steps(client, result.run_id, "federation/updates_refused")[-1][1] == 0
+    assert not metric_steps(client, result.run_id, "federation/updates_refused")  # a counter is logged from its first non-zero value
     # the whole resolved config is logged, flattened
     assert run.data.params["federation.mode"] == "async" and run.data.params["algorithm.name"] == "fedtgp"
     assert run.data.params["data.partition.beta"] == "0.5"

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
 import torch
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime import actors
 from rayfed_proto.runtime.determinism import CUBLAS_WORKSPACE, apply_determinism, is_deterministic
 
 
@@ -61,6 +61,9 @@ def test_in_process_client_runner_applies_the_setting(torch_defaults):
 def test_both_actors_apply_it_before_choosing_a_device(torch_defaults, monkeypatch, deterministic):
     # The actors' own constructors, without Ray: the setting must be in force before the
     # process's first CUDA call, i.e. before pick_device.
+    # the module as imported now: other test files drop rayfed_proto modules from sys.modules and
+    # import them afresh (test_lean_runtime), and the actor classes read the globals of their own
+    actors = importlib.import_module("rayfed_proto.runtime.actors")
     order: list[str] = []
 
     def record_apply(enabled: bool) -> None:

@@ -554,7 +554,7 @@ def test_semi_phase_runs_on_images_with_batchnorm():
     client = semi_client(version=100, bank=bank, margin_quantile=0.0, distance_quantile=1.0)
     model = Conv()
     terms = train(client, model, x, y, epochs=2, batch_size=4)
-    assert client.thresholds is not None and terms["pseudo_candidates"] == 2 * 4 * 4  # 4 steps per epoch
+    assert client.thresholds is not None and terms["pseudo_candidates"] == 2 * 3 * 4  # 3 steps per epoch (the labelled half in batches of 4, the incomplete last one folded), 4 unlabelled views each
     assert all(math.isfinite(v) for k, v in terms.items() if k != "pseudo_accuracy")
     up = client.make_update(model, x, y)
     assert up.prototypes.class_ids.tolist() == [0, 1, 2]
