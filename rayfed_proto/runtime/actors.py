@@ -274,7 +274,10 @@ class ServerActor:
         return self._publish(self.core.step())
 
     def global_state(self) -> GlobalState:
-        return self.core.state
+        """The state of the version this server was built or restored at: what the driver starts
+        from (the scheduler's start, a recreated server), even if the training thread has stepped
+        since; later versions travel as refs in receipts and ``wait_versions``."""
+        return self.core.start_state
 
     def snapshot(self) -> dict[str, Any]:
         """The server's whole state between two aggregations, plus its torch RNG (checkpoints)."""

@@ -700,6 +700,7 @@ class ServerCore:
         self._evaluator: Optional[ThreadPoolExecutor] = None  # the global-test evaluations' thread
         self.pending_evals: dict[int, Future] = {}  # version -> its global-test evaluation, running
         self.state, self.margins[0] = self._broadcast(0)
+        self.start_state = self.state  # the version the driver starts from (see load_state_dict)
         self.version_metrics[0] = {}
         self._start_global_eval(0)
 
@@ -864,6 +865,10 @@ class ServerCore:
         self.margins = dict(state["margins"])
         self.version_metrics = dict(state["version_metrics"])
         self.state, _ = self._broadcast(self.version)
+        # the restored version's state, taken under step_lock: a restored buffer may already hold K
+        # updates, and the training thread may step past this version before the driver asks for
+        # the state it starts from (an evaluation of the restored version then got the next one's)
+        self.start_state = self.state
 
     def read_stats(self, version: int | None = None) -> dict[str, Any]:
         """Counters for the driver; the staleness window restarts at each read.
