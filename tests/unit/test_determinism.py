@@ -74,9 +74,14 @@ def test_both_actors_apply_it_before_choosing_a_device(torch_defaults, monkeypat
         order.append("pick_device")
         return torch.device("cpu")
 
-    monkeypatch.setattr(actors, "apply_determinism", record_apply)
-    monkeypatch.setattr(actors, "pick_device", record_pick)
-    monkeypatch.setattr(actors, "leave_out_triton_on_cpu", lambda device: True)
+    # patch the globals the constructors really read: those of the module their code was compiled in
+    # (after another test file re-imports rayfed_proto modules, sys.modules may name a newer copy)
+    constructor_globals = actors.ClientActor.__ray_metadata__.modified_class.__ray_actor_class__.__init__.__globals__
+    assert constructor_globals is (
+        actors.ServerActor.__ray_metadata__.modified_class.__ray_actor_class__.__init__.__globals__)
+    monkeypatch.setitem(constructor_globals, "apply_determinism", record_apply)
+    monkeypatch.setitem(constructor_globals, "pick_device", record_pick)
+    monkeypatch.setitem(constructor_globals, "leave_out_triton_on_cpu", lambda device: True)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     cfg = build_config({}, ["model.group=HtFE1", "algorithm.name=fedproto", "model.feature_dim=8",
                             f"resources.deterministic={str(deterministic).lower()}"]).to_dict()
