@@ -17,7 +17,7 @@ demo: $(STAMP)  ## FedTGP on the embedded digits, 20 clients, async, local Ray
 	$(BIN)/rayfed-proto run
 
 test: $(STAMP)  ## the whole suite: unit (no Ray) then integration (real actors, MLflow)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
