@@ -28,6 +28,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rayfed_proto.numbers import STRICT_NUMBER, StrictNumbers
+from rayfed_proto.runtime import policies
+from rayfed_proto.runtime.policies import POLICIES
 
 Auto = Literal["auto"]
 
@@ -183,7 +185,8 @@ class TrainingConfig(_Section):
 
 
 class FederationConfig(_Section):
-    mode: Literal["async", "sync"] = "async"
+    mode: str = Field("async", description="the federation policy (runtime/policies.py POLICIES): async (FedBuff-style "
+                      "versions every buffer_size accepted updates) or sync (rounds); a registered policy's name")
     num_clients: int = Field(20, ge=1)
     rounds: int = Field(50, ge=1, description="number of server versions to produce")
     participation: float = Field(1.0, description="sync: fraction rho of clients sampled per round")
@@ -661,6 +664,9 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
         algo = raw.get("algorithm")
         if isinstance(algo, dict):  # report the algorithm's own options in the same pass
             issues += _algorithm_issues(str(algo.get("name", AlgorithmConfig().name)), {k: v for k, v in algo.items() if k != "name"})
+        mode = _dig(raw, ("federation", "mode"))  # and an unknown federation mode (a name checked against POLICIES)
+        if isinstance(mode, str) and not any(i.key == "federation.mode" for i in issues):
+            issues += unknown_name_issues("federation.mode", mode, POLICIES)
         raise ConfigError(issues, source) from None
     issues = semantic_issues(cfg)
     if issues:
@@ -671,11 +677,18 @@ def build_config(raw: dict[str, Any] | None, overrides: list[str] | None = None,
     return cfg
 
 
+def resolved_config(cfg_dict: dict[str, Any]) -> ExperimentConfig:
+    """A config that :func:`build_config` already validated and resolved (``cfg.to_dict()``), typed
+    again in another process (an actor's copy) without the cross-field checks: those ran in the
+    driver, whose registries may hold what this process's do not (a policy registered in a script)."""
+    return ExperimentConfig(**copy.deepcopy(cfg_dict))
+
+
 def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     """Fill the chosen algorithm's ``config_defaults`` (dotted keys outside ``algorithm.``, e.g.
     ``model.normalize_features`` for FedLSA) wherever the user left the key unset, so a method's
     requirements are on by default yet stay overridable, plus its ``async_config_defaults`` when
-    ``federation.mode`` is async (the default); unset ``Optional`` data holdouts fall back to 0 here."""
+    the federation's policy runs without rounds (``async``, the default); unset ``Optional`` data holdouts fall back to 0 here."""
     from rayfed_proto.algorithms import ALGORITHMS
     from rayfed_proto.algorithms.base import SameAs
 
@@ -684,8 +697,11 @@ def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     defaults: dict[str, Any] = {"data.global_test_fraction": 0.0, "data.public_size": 0}
     if isinstance(name, str) and name in ALGORITHMS:
         mode = _dig(raw, ("federation", "mode"))
+        mode = FederationConfig().mode if mode is None else mode
         options = {k: v for k, v in algo.items() if k != "name"} if isinstance(algo, dict) else {}
-        defaults.update(ALGORITHMS.get(name).defaults_for(options, FederationConfig().mode if mode is None else mode))
+        # an unknown mode gets no mode defaults here; validation names the registered ones
+        rounds = POLICIES.get(mode).rounds if isinstance(mode, str) and mode in POLICIES else True
+        defaults.update(ALGORITHMS.get(name).defaults_for(options, rounds=rounds))
     copies = {dotted: value for dotted, value in defaults.items() if isinstance(value, SameAs)}
     for dotted, value in defaults.items():
         if dotted not in copies:
@@ -800,37 +816,15 @@ def unknown_name_issues(key: str, value: Any, registry) -> list[ConfigIssue]:
 
 
 def _federation_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
-    """federation.* rules that span fields: concurrency, buffer, deadlines, over-selection, eval_every."""
-    issues: list[ConfigIssue] = []
+    """federation.* rules that span fields; the mode's own rules are its policy's (``config_issues``)."""
     fed = cfg.federation
+    issues = unknown_name_issues("federation.mode", fed.mode, POLICIES)
     if fed.concurrency != "auto" and fed.concurrency > fed.num_clients:
         issues.append(ConfigIssue(key="federation.concurrency", value=fed.concurrency,
                                   allowed=f"at most federation.num_clients ({fed.num_clients})"))
-    if fed.mode == "async":
-        # virtual clock: 'auto' simulates as many clients at once as a sync round samples
-        conc = simulated_concurrency(cfg) if cfg.system is not None else (
-            fed.concurrency if fed.concurrency != "auto" else fed.num_clients)
-        if fed.buffer_size > conc:
-            issues.append(ConfigIssue(key="federation.buffer_size", value=fed.buffer_size,
-                                      allowed=f"at most federation.concurrency ({conc}"
-                                      + (", simulated: ceil(participation x num_clients) for 'auto'" if cfg.system is not None
-                                         and fed.concurrency == "auto" else "")
-                                      + "): with more updates per version than in flight, every version waits for "
-                                      "clients that started after it"))
-    for key, value, is_set in (("round_deadline_s", fed.round_deadline_s, fed.round_deadline_s is not None),
-                               ("over_selection", fed.over_selection, fed.over_selection != 1.0)):
-        if is_set and (fed.mode != "sync" or cfg.system is None):
-            issues.append(ConfigIssue(
-                key=f"federation.{key}", value=value,
-                allowed=f"{'null' if key == 'round_deadline_s' else '1'} unless federation.mode is sync with a virtual "
-                f"clock (a system: section): only simulated rounds have finish times to keep or drop updates by "
-                f"(here mode {fed.mode}, {'no system:' if cfg.system is None else 'system: set'})"))
-    if fed.over_selection != 1.0 and math.ceil(fed.over_selection * clients_per_round(cfg)) > fed.num_clients:
-        issues.append(ConfigIssue(
-            key="federation.over_selection", value=fed.over_selection,
-            allowed=f"at most federation.num_clients / ceil(participation x num_clients) = {fed.num_clients} / "
-            f"{clients_per_round(cfg)} = {fed.num_clients / clients_per_round(cfg):g}: ceil(over_selection x "
-            f"{clients_per_round(cfg)}) clients are selected per round"))
+    if not issues:
+        issues += [ConfigIssue(key=k, value=v, allowed=a)
+                   for k, v, a in POLICIES.get(fed.mode).config_issues(fed, virtual_clock=cfg.system is not None)]
     if fed.eval_every > fed.rounds:
         issues.append(ConfigIssue(key="federation.eval_every", value=fed.eval_every,
                                   allowed=f"at most federation.rounds ({fed.rounds})"))
@@ -904,12 +898,10 @@ def group_is_homogeneous(group: str, num_clients: int) -> bool:
 
 
 def clients_per_round(cfg: ExperimentConfig) -> int:
-    return max(1, math.ceil(cfg.federation.participation * cfg.federation.num_clients))
+    """ceil(participation x num_clients) (the policies' arithmetic, :func:`runtime.policies.clients_per_round`)."""
+    return policies.clients_per_round(cfg.federation)
 
 
 def simulated_concurrency(cfg: ExperimentConfig) -> int:
-    """Virtual clock (``system:``): how many clients train at once in the simulated federation,
-    whatever the real slots: ``federation.concurrency``, or with ``auto`` as many as a sync round
-    samples (ceil(participation x num_clients)), so that sync and async compare like for like."""
-    fed = cfg.federation
-    return int(fed.concurrency) if fed.concurrency != "auto" else clients_per_round(cfg)
+    """Virtual clock: clients training at once in the simulated federation (:func:`runtime.policies.simulated_concurrency`)."""
+    return policies.simulated_concurrency(cfg.federation)

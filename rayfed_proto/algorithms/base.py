@@ -472,18 +472,19 @@ class Algorithm:
     # Config values outside ``algorithm.*`` this method wants unless the user sets them
     # (dotted keys, e.g. {"model.normalize_features": True, "data.public_size": 2500}).
     config_defaults: ClassVar[dict[str, Any]] = {}
-    # Further defaults that apply only with federation.mode async (dotted keys, ``algorithm.*``
-    # included), on top of ``config_defaults``; a value the user sets always wins.
+    # Further defaults that apply only when the federation runs without rounds (federation.mode
+    # async: versions every K accepted updates; dotted keys, ``algorithm.*`` included), on top of
+    # ``config_defaults``; a value the user sets always wins.
     async_config_defaults: ClassVar[dict[str, Any]] = {}
 
     @classmethod
-    def defaults_for(cls, options: dict[str, Any], mode: str) -> dict[str, Any]:
+    def defaults_for(cls, options: dict[str, Any], rounds: bool) -> dict[str, Any]:
         """The config defaults of a run of this method: ``config_defaults``, plus
-        ``async_config_defaults`` when ``mode`` (``federation.mode``) is async. ``options`` are the
-        ``algorithm.*`` keys as the user wrote them (not validated yet): a method whose run-level
-        defaults depend on one of its options (FedSC's ``variant``) overrides this. A value may be
-        a :class:`SameAs`; a value the user sets always wins."""
-        return {**cls.config_defaults, **(cls.async_config_defaults if mode == "async" else {})}
+        ``async_config_defaults`` when the federation has no rounds (``rounds`` False: the policy's
+        ``rounds``, e.g. async mode). ``options`` are the ``algorithm.*`` keys as the user wrote them
+        (not validated yet): a method whose run-level defaults depend on one of its options (FedSC's
+        ``variant``) overrides this. A value may be a :class:`SameAs`; a value the user sets always wins."""
+        return {**cls.config_defaults, **(cls.async_config_defaults if not rounds else {})}
 
 
 # ----------------------------------------------------------------------------- prototype methods

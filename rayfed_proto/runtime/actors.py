@@ -21,7 +21,7 @@ from typing import Any
 import ray
 import torch
 
-from rayfed_proto.config import ExperimentConfig, build_config
+from rayfed_proto.config import ExperimentConfig, resolved_config
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import GlobalState
 from rayfed_proto.runtime.core import ClientHost, EvalSet, ServerCore, corrupt_update
@@ -98,7 +98,7 @@ class ClientActor:
     def __init__(self, cfg_dict: dict, torch_threads: int):
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
-        self.cfg: ExperimentConfig = build_config(cfg_dict)
+        self.cfg: ExperimentConfig = resolved_config(cfg_dict)
         apply_determinism(self.cfg.resources.deterministic)  # before this process's first CUDA call
         self.device = pick_device()
         leave_out_triton_on_cpu(self.device)
@@ -216,7 +216,7 @@ class ServerActor:
         takes only what it holds (global test set, public set); never read from disk here."""
         logging.basicConfig(level=logging.WARNING)
         torch.set_num_threads(torch_threads)
-        cfg = build_config(cfg_dict)
+        cfg = resolved_config(cfg_dict)
         apply_determinism(cfg.resources.deterministic)  # before this process's first CUDA call
         self.device = pick_device()
         leave_out_triton_on_cpu(self.device)

@@ -684,7 +684,7 @@ class ServerCore:
         self.device = device
         self.global_test = global_test
         self.buffer_size, self.background, self.max_staleness = needs.buffer_size, needs.background, needs.max_staleness
-        self.steps_on_request = needs.steps_on_request
+        self.steps_on_request, self.client_order = needs.steps_on_request, needs.client_order
         self.max_version = cfg.federation.rounds
         spec = federation_spec(cfg, num_classes, in_channels, image_size, public_x, device)
         self.algorithm = ALGORITHMS.get(cfg.algorithm.name).Server(cfg.algorithm_options(), spec, device)
@@ -798,13 +798,13 @@ class ServerCore:
     def _step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
         with self.cond:
-            # async: exactly K updates per version (FedBuff), the rest wait for the next one, so a
-            # version's cost is bounded; sync (no buffer size): the whole round
+            # with a buffer size exactly K updates per version (FedBuff), the rest wait for the next
+            # one, so a version's cost is bounded; without one (the caller asks): all it holds
             k = len(self.buffer) if self.buffer_size is None else self.buffer_size
             taken, self.buffer = self.buffer[:k], self.buffer[k:]
-            if self.buffer_size is None:
-                # sync: a round is aggregated in client order, not arrival order, so that a run
-                # is reproducible (float sums and server-training batches depend on the order)
+            if self.client_order:
+                # a round is aggregated in client order, not arrival order, so that a run is
+                # reproducible (float sums and server-training batches depend on the order)
                 taken.sort(key=lambda uw: uw[0].client_id)
             new_version = self.version + 1
         updates = [u for u, _ in taken]

@@ -4,8 +4,10 @@ A policy is the federation mode as one object. It declares what the rest of the 
 know (:class:`ServerNeeds`: the server's buffer size, whether a server thread aggregates beside
 intake, the staleness bound; whether the driver learns of versions by waiting on the server) and
 works the federation through a narrow :class:`Port` (dispatch a local update, submit an update,
-ask for a server step, the clients that may be dispatched). Nothing else in the runtime asks which
-policy it runs, and :func:`make_policy` is the only reader of ``federation.mode`` and ``system``.
+ask for a server step, the clients that may be dispatched). A policy class is registered under
+its ``federation.mode`` name in :data:`POLICIES` and owns that mode: its config rules, the real
+slots and local updates it needs, how it is built, its summary rows. Nothing else in the project
+branches on the mode: the config, the resource planners and the driver ask the registered class.
 
 * :class:`SyncRounds`: a seeded sample of ceil(rho N) clients per round, all dispatched at once
   (they queue on their workers); the server steps once every update of the round is in;
@@ -18,8 +20,10 @@ policy it runs, and :func:`make_policy` is the only reader of ``federation.mode`
   ``federation.round_deadline_s`` / ``over_selection`` (FedScale), until its deadline or its first
   K finished updates (the rest dropped and counted).
 
-Adding a policy: write a class with the methods of :class:`FederationPolicy` here and a branch in
-:func:`make_policy` (and the config value that selects it); docs/architecture.md shows one.
+Adding a policy: subclass :class:`BasePolicy` (the methods of :class:`FederationPolicy`, and the
+class methods it overrides) and register it, ``@POLICIES.register("round_robin")``, in any module
+imported before the config is built (tests/integration/test_policy_registry.py defines one in the
+test module and runs it); docs/architecture.md walks through one.
 No Ray here: policies are tested with a fake port.
 """
 
@@ -32,6 +36,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
+from rayfed_proto.registry import Registry
 from rayfed_proto.runtime.simclock import SimEntry, VirtualClock
 
 
@@ -43,6 +48,7 @@ class ServerNeeds:
     background: bool  # a server thread aggregates beside intake (async in real time)
     max_staleness: float  # accepted updates trained at most this many versions ago
     steps_on_request: bool = False  # with a buffer size, no inline step: the driver asks (the server's simulated time)
+    client_order: bool = False  # a step aggregates its updates in client order, not arrival order (reproducible rounds)
 
 
 @dataclass
@@ -119,45 +125,106 @@ class FederationPolicy(Protocol):
     def load_state_dict(self, state: dict[str, Any], store: Callable[[Any], Any]) -> None: ...
 
 
+POLICIES: Registry[type] = Registry("federation mode")
+"""``federation.mode`` -> the policy class that owns it (its config rules, resource needs, build, rows)."""
+
+Issue = tuple[str, Any, str]  # (dotted config key, its value, what is allowed): config.py makes a ConfigIssue of it
+
+
+def policy_class(federation) -> type[BasePolicy]:
+    """The class registered for ``federation.mode`` (an unknown mode names the registered ones)."""
+    return POLICIES.get(federation.mode)
+
+
 def make_policy(federation, system, *, seed: int, real_slots: int) -> FederationPolicy:
-    """The run's policy: the only place that reads ``federation.mode`` and whether a ``system``
-    model (virtual clock) is present. ``real_slots``: updates that can run at once on the workers."""
+    """The run's policy, built by the class registered for ``federation.mode``, with a virtual clock
+    when a ``system`` model is present. ``real_slots``: updates that can run at once on the workers."""
     rng = np.random.default_rng([seed, 0x5C4ED])  # client sampling stream
     clock = VirtualClock(system, seed) if system is not None else None
-    # ceil(rho N), as config.clients_per_round: a sync round's sample, and the virtual clock's default concurrency
-    per_round = max(1, math.ceil(federation.participation * federation.num_clients))
-    if federation.mode == "sync":
-        return SyncRounds(federation.num_clients, per_round, rng, clock,
-                          deadline_s=federation.round_deadline_s, over_selection=federation.over_selection)
-    needs = ServerNeeds(federation.buffer_size, background=clock is None, max_staleness=federation.max_staleness,
-                        steps_on_request=clock is not None)
-    if clock is None:
-        return AsyncSlots(federation.num_clients, real_slots, needs, rng)
-    concurrency = int(federation.concurrency) if federation.concurrency != "auto" else per_round
-    return VirtualAsync(federation.num_clients, concurrency, needs, rng, clock)
+    return policy_class(federation).build(federation, clock, rng, real_slots)
 
 
 def min_real_slots(federation, virtual_clock: bool) -> Optional[int]:
-    """The real slots the run's policy needs, checked when resources are planned (None: any):
-    asynchronous rounds in real time aggregate every K accepted updates, and with fewer than K
-    updates in flight at once no version would ever form; a virtual clock simulates its slots."""
-    return federation.buffer_size if federation.mode == "async" and not virtual_clock else None
+    """The real slots the run's policy needs, checked when resources are planned (None: any)."""
+    return policy_class(federation).min_real_slots(federation, virtual_clock)
 
 
 def min_update_starts(federation, start_version: int = 0) -> int:
     """The fewest local updates that must start for the run to go from ``start_version`` to
-    ``federation.rounds``: a sync round dispatches at least one, an asynchronous version
-    aggregates ``buffer_size`` accepted updates (the availability check before Ray starts)."""
-    per_version = federation.buffer_size if federation.mode == "async" else 1
-    return max(0, federation.rounds - start_version) * per_version
+    ``federation.rounds`` (the availability check before Ray starts)."""
+    return max(0, federation.rounds - start_version) * policy_class(federation).updates_per_version(federation)
 
 
-class _Policy:
-    """Defaults shared by the policies (each overrides what it does differently)."""
+def clients_per_round(federation) -> int:
+    """ceil(rho N): a sync round's sample, and a virtual clock's default simulated concurrency."""
+    return max(1, math.ceil(federation.participation * federation.num_clients))
 
+
+def simulated_concurrency(federation) -> int:
+    """Virtual clock (``system:``): how many clients train at once in the simulated federation,
+    whatever the real slots: ``federation.concurrency``, or with ``auto`` as many as a sync round
+    samples (ceil(participation x num_clients)), so that sync and async compare like for like."""
+    return int(federation.concurrency) if federation.concurrency != "auto" else clients_per_round(federation)
+
+
+ROUND_ONLY_KEYS = (("round_deadline_s", None), ("over_selection", 1.0))  # federation.* keys only simulated rounds read
+
+
+def round_only_key_issues(federation, virtual_clock: bool) -> list[Issue]:
+    """``round_deadline_s`` and ``over_selection`` left at their defaults: only sync rounds with a
+    virtual clock have finish times to keep or drop updates by."""
+    issues = []
+    for key, default in ROUND_ONLY_KEYS:
+        value = getattr(federation, key)
+        if value != default:
+            issues.append((f"federation.{key}", value, (
+                f"{'null' if default is None else '1'} unless federation.mode is sync with a virtual clock (a system: "
+                f"section): only simulated rounds have finish times to keep or drop updates by (here mode "
+                f"{federation.mode}, {'system: set' if virtual_clock else 'no system:'})")))
+    return issues
+
+
+class BasePolicy:
+    """Defaults shared by the policies (each overrides what it does differently).
+
+    The class methods are what the rest of the project asks of a mode before a run starts (config
+    rules, resource needs, the availability bound); the instance is the running federation."""
+
+    rounds: bool = True  # the federation runs in rounds (False: an algorithm's async_config_defaults apply)
     waits_for_versions = False
     clock: Optional[VirtualClock] = None
     port: Port
+
+    @classmethod
+    def build(cls, federation, clock: Optional[VirtualClock], rng: np.random.Generator,
+              real_slots: int) -> FederationPolicy:
+        raise NotImplementedError
+
+    @classmethod
+    def config_issues(cls, federation, virtual_clock: bool) -> list[Issue]:
+        """The mode's rules on ``federation.*``, checked with the rest of the config."""
+        return round_only_key_issues(federation, virtual_clock)
+
+    @classmethod
+    def min_real_slots(cls, federation, virtual_clock: bool) -> Optional[int]:
+        """Updates that must run at once on the workers for a version to form (None: any number)."""
+        return None
+
+    @classmethod
+    def updates_per_version(cls, federation) -> int:
+        """The fewest local updates that must start per version (the availability bound)."""
+        return 1
+
+    def concurrency_label(self) -> str:
+        """The summary's and the start line's words for what runs at once."""
+        return f"concurrency {self.concurrency}" + (" simulated" if self.clock is not None else "")
+
+    def summary_rows(self, stats) -> dict[str, str]:
+        """Rows of the run's summary that this policy's counters fill (``stats``: SchedulerStats)."""
+        if self.clock is None:
+            return {}
+        return {"updates dropped offline": f"{stats.updates_dropped_offline} of {stats.dispatched} dispatched (client "
+                                          "offline before the update finished)"}
 
     def bind(self, port: Port) -> None:
         self.port = port
@@ -198,9 +265,40 @@ class _Policy:
             self.clock.load_state_dict(state["clock"], store)
 
 
-class SyncRounds(_Policy):
+@POLICIES.register("sync", "rounds: a sample of ceil(participation x num_clients) clients, one server step per round")
+class SyncRounds(BasePolicy):
     """A round: sample ceil(rho N) clients (online ones, with a virtual clock), dispatch them all;
     once every update is submitted (or lost), ask the server to step."""
+
+    @classmethod
+    def build(cls, federation, clock, rng, real_slots) -> SyncRounds:
+        return cls(federation.num_clients, clients_per_round(federation), rng, clock,
+                   deadline_s=federation.round_deadline_s, over_selection=federation.over_selection)
+
+    @classmethod
+    def config_issues(cls, federation, virtual_clock: bool) -> list[Issue]:
+        issues = [] if virtual_clock else round_only_key_issues(federation, virtual_clock)
+        k, n = clients_per_round(federation), federation.num_clients
+        if federation.over_selection != 1.0 and math.ceil(federation.over_selection * k) > n:
+            issues.append(("federation.over_selection", federation.over_selection, (
+                f"at most federation.num_clients / ceil(participation x num_clients) = {n} / {k} = {n / k:g}: "
+                f"ceil(over_selection x {k}) clients are selected per round")))
+        return issues
+
+    def summary_rows(self, stats) -> dict[str, str]:
+        """With a deadline or over-selection, the updates the rounds dropped, of those dispatched, by
+        reason (each counted once, offline first: those are in the "updates dropped offline" row)."""
+        rows = super().summary_rows(stats)
+        if not self.selective:
+            return rows
+        reasons = []
+        if math.isfinite(self.deadline_s):
+            reasons.append(f"{stats.updates_dropped_deadline} after the deadline ({self.deadline_s:g} s from the round start)")
+        if self.selected > self.per_round:
+            reasons.append(f"{stats.updates_dropped_over_selection} beyond the first {self.per_round} to finish "
+                           f"({self.selected} selected per round)")
+        total = stats.updates_dropped_deadline + stats.updates_dropped_over_selection
+        return {**rows, "updates dropped by the round": f"{total} of {stats.dispatched} dispatched: " + ", ".join(reasons)}
 
     def __init__(self, num_clients: int, per_round: int, rng: np.random.Generator, clock: Optional[VirtualClock],
                  deadline_s: Optional[float] = None, over_selection: float = 1.0):
@@ -213,7 +311,7 @@ class SyncRounds(_Policy):
         self.kept = 0  # selective: updates of the running round submitted so far
         self.round_start = 0.0  # virtual clock: when the running round started
         self.concurrency = self.selected  # updates a round has in flight
-        self.needs = ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf)
+        self.needs = ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf, client_order=True)
         self.outstanding = 0  # dispatched in this round, receipt not back yet
         self.in_round = False  # a round is running (its step not yet asked for)
         self.stepping = False  # its step is asked for, the version not yet seen
@@ -331,11 +429,54 @@ class SyncRounds(_Policy):
             self.clock.entries.clear()
 
 
-class AsyncSlots(_Policy):
+class _Buffered(BasePolicy):
+    """What the two asynchronous policies share before a run: a version every K accepted updates."""
+
+    rounds = False
+
+    @classmethod
+    def config_issues(cls, federation, virtual_clock: bool) -> list[Issue]:
+        issues = super().config_issues(federation, virtual_clock)
+        # virtual clock: 'auto' simulates as many clients at once as a sync round samples
+        auto = federation.concurrency == "auto"
+        conc = simulated_concurrency(federation) if virtual_clock else (federation.num_clients if auto else federation.concurrency)
+        if federation.buffer_size > conc:
+            issues.append(("federation.buffer_size", federation.buffer_size, (
+                f"at most federation.concurrency ({conc}"
+                + (", simulated: ceil(participation x num_clients) for 'auto'" if virtual_clock and auto else "")
+                + "): with more updates per version than in flight, every version waits for clients that started after it")))
+        return issues
+
+    @classmethod
+    def min_real_slots(cls, federation, virtual_clock: bool) -> Optional[int]:
+        """In real time the server aggregates every K accepted updates: with fewer than K in flight at
+        once no version would ever form; a virtual clock simulates its slots."""
+        return None if virtual_clock else federation.buffer_size
+
+    @classmethod
+    def updates_per_version(cls, federation) -> int:
+        return federation.buffer_size
+
+    @classmethod
+    def needs_for(cls, federation, clock: Optional[VirtualClock]) -> ServerNeeds:
+        return ServerNeeds(federation.buffer_size, background=clock is None, max_staleness=federation.max_staleness,
+                           steps_on_request=clock is not None)
+
+
+@POLICIES.register("async", "FedBuff-style: a version every buffer_size accepted updates, clients never wait for a round")
+class AsyncSlots(_Buffered):
     """Keep ``concurrency`` updates in flight in real time (one per idle worker); the server's
     training thread aggregates whenever K accepted updates wait, and reports its versions."""
 
     waits_for_versions = True
+
+    @classmethod
+    def build(cls, federation, clock, rng, real_slots) -> _Buffered:
+        """In real time, or with a virtual clock :class:`VirtualAsync` (the same federation simulated)."""
+        needs = cls.needs_for(federation, clock)
+        if clock is None:
+            return cls(federation.num_clients, real_slots, needs, rng)
+        return VirtualAsync(federation.num_clients, simulated_concurrency(federation), needs, rng, clock)
 
     def __init__(self, num_clients: int, concurrency: int, needs: ServerNeeds, rng: np.random.Generator):
         self.num_clients, self.concurrency, self.needs, self.rng = num_clients, concurrency, needs, rng
@@ -387,7 +528,7 @@ def pick_one(rng: np.random.Generator, items: list[int]) -> int:
     return int(items[int(rng.integers(0, len(items)))])
 
 
-class VirtualAsync(_Policy):
+class VirtualAsync(_Buffered):
     """Asynchronous FL in simulated time: ``concurrency`` clients train at once in the simulated
     federation (any number of real slots run them); each finished update goes to the server in
     order of simulated finish time, and a replacement is dispatched at that simulated instant

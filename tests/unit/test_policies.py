@@ -34,7 +34,7 @@ class FakeSystem:  # what VirtualClock reads of a system model
 def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_needs():
     sync = make_policy(fed(mode="sync", num_clients=10, participation=0.25), None, seed=0, real_slots=2)
     assert isinstance(sync, SyncRounds) and sync.per_round == 3  # ceil(0.25 x 10)
-    assert sync.needs == ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf)
+    assert sync.needs == ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf, client_order=True)
     assert not sync.waits_for_versions and sync.clock is None
     real = make_policy(fed(mode="async", buffer_size=3, max_staleness=7), None, seed=0, real_slots=2)
     assert isinstance(real, AsyncSlots) and real.concurrency == 2
