@@ -288,34 +288,21 @@ def _cli(args: list[str], cwd: Path, **popen):
 def _sigterm_while_actors_start(tmp: Path, uri: str) -> str:
     """The CLI with its own Ray, SIGTERM when the actors start (-v logs each start-up stage)."""
     import signal
-    import subprocess
 
-    import psutil
     from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.runtime.signals import signal_cli_at_stage
 
     sets = [x for o in BASE + [f"tracking.tracking_uri={uri}", f"tracking.output_dir={tmp / 'sigterm'}",
                                "federation.rounds=3", "tracking.system_metrics=false"] for x in ("--set", o)]
-    proc = _cli(["-v", "run", "--no-progress", *sets], tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    started, lines, sent = set(), [], False
-    for line in proc.stdout:
-        lines.append(line)
-        try:
-            started |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-        except psutil.Error:
-            pass
-        if not sent and "start-up stage: actors starting" in line:
-            proc.send_signal(signal.SIGTERM)
-            sent = True
-    proc.wait()
-    time.sleep(3)
-    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    done = signal_cli_at_stage(["run", "--no-progress", *sets], "actors starting", signal.SIGTERM, tmp)
     client = MlflowClient(uri)
     runs = [r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
             if r.data.tags.get("rayfed_proto.output_dir", "").startswith(str(tmp / "sigterm"))]
     status = ", ".join(f"{r.info.status} ({r.data.tags.get('failure_reason', '')[:50]}...)" for r in runs) or "none"
-    traceback = any("Traceback" in x or "Exception ignored" in x for x in lines)
-    wrong = proc.returncode != 143 or alive or traceback or not sent
-    return (f"exit {proc.returncode}; MLflow {status}; processes left: {len(alive)}; traceback: "
+    traceback = "Traceback" in done.output or "Exception ignored" in done.output
+    wrong = done.returncode != 143 or done.alive or traceback or not done.sent
+    return (f"exit {done.returncode}; MLflow {status}; processes left: {len(done.alive)}; traceback: "
             f"{'yes' if traceback else 'no'}" + (" (WRONG)" if wrong else ""))
 
 

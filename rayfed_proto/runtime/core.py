@@ -60,7 +60,8 @@ def eval_batch_size(device: torch.device) -> int:
     core's caches (the FedAvg CNN's first feature map is 74 KiB a sample: 512 of them are 37 MiB):
     a forward pass of 1,930 MNIST-sized images at 256 took 0.977 of the time at 512 in
     channels_last and 0.878 in contiguous layout, 1,024 took 1.33 and 1.18 (one thread,
-    ``bench/eval_batch.py``, 2026-11-25); 512 on accelerators."""
+    ``bench/eval_batch.py``, 2026-11-25, since removed: ``git show 71023e8:bench/eval_batch.py``); 512 on
+    accelerators."""
     return 256 if device.type == "cpu" else 512
 
 
@@ -93,7 +94,8 @@ def evaluate_global_model(model: torch.nn.Module, data: EvalSet, device: torch.d
 def memory_format(cfg: ExperimentConfig, device: torch.device) -> torch.memory_format:
     """``training.memory_format`` for a client's (or the server's) model on ``device``:
     channels_last (NHWC) on CPU by default, where oneDNN's convolutions make an SGD step of the
-    FedAvg CNN at batch 10 about 16 % cheaper at one torch thread (bench/memory_format.py);
+    FedAvg CNN at batch 10 about 16 % cheaper at one torch thread (bench/memory_format.py,
+    since removed: ``git show 71023e8:bench/memory_format.py``);
     contiguous (NCHW) on GPU, where channels_last pays only with mixed precision. Only 4-d weights (convolutions) change layout; the values,
     the messages (weights travel as C-ordered arrays) and the checkpoints' contents do not."""
     choice = cfg.training.memory_format

@@ -101,7 +101,7 @@ class Hooks:
 
 
 class Scheduler:
-    evaluate_first = False  # evaluations before the next dispatch: the measured alternative (bench/eval_placement.py)
+    evaluate_first = False  # evaluations before the next dispatch: the measured alternative (docs/benchmarks.md, "Where an evaluation runs")
 
     def __init__(self, policy: FederationPolicy, server, actors: list, actor_clients: list[list[int]], limits: Limits,
                  hooks: Hooks, progress=None, batch_clients: bool = False):

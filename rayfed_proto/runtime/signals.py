@@ -13,7 +13,8 @@ once the workers are set up, after the restore) and :class:`StartupStopped` unwi
 through the driver's ordinary clean-up (actors killed, the MLflow run ended, Ray shut down at
 exit). ``ray.init`` is kept from installing its handler (:func:`ray_keeps_our_handlers`). The
 handlers are installed only in the main thread (a Tune trial's thread has Tune's).
-No Ray import at module level.
+:func:`signal_cli_at_stage` sends a signal to the CLI as a given stage begins (the fault drill's
+and the tests' way in). No Ray import at module level.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ import logging
 import shutil
 import signal
 import threading
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 log = logging.getLogger("rayfed_proto")
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STAGE_LOG = "start-up stage: "  # logged (debug, so with ``rayfed-proto -v``) as each start-up stage begins
 
 
 class StartupStopped(KeyboardInterrupt):
@@ -73,7 +77,7 @@ class StartupSignals:
         and for a user who wonders where a slow start-up is)."""
         self.check()
         self.stage = stage
-        log.debug("start-up stage: %s", stage)
+        log.debug("%s%s", STAGE_LOG, stage)
 
     def check(self) -> None:
         if self.received is not None:
@@ -132,3 +136,60 @@ def stopped_in_startup(run, stop: StartupStopped) -> tuple[str, str, int]:
     reason = f"stopped by {stop.signal_name} while the run was starting ({stop.stage}), before its first version"
     run.tracker.set_tags({"failure_reason": reason})
     return "FAILED", f"{reason}: nothing to resume. Start again with: rayfed-proto run {run.out / 'config.yaml'}", 0
+
+
+@dataclass
+class StageSignalled:
+    """What :func:`signal_cli_at_stage` saw: the CLI's exit code, its whole output, whether the
+    stage began (and so the signal went), and the processes it started still alive at the end."""
+
+    returncode: int
+    output: str
+    sent: bool
+    alive: list[int]
+
+
+def signal_cli_at_stage(args: list[str], stage: str, sig: int, cwd: Path,
+                        timeout: Optional[float] = None) -> StageSignalled:
+    """Run ``python -m rayfed_proto.cli -v ARGS`` (``-v`` logs each start-up stage) in ``cwd``, this
+    package first on its path, and send ``sig`` once the line of ``stage`` appears. After the CLI
+    ends (and 3 s for Ray's processes, which end after the driver's atexit shutdown), the
+    processes it started that are still alive. ``timeout``: seconds before the CLI is killed and
+    :class:`TimeoutError` raised with the end of its output. For ``bench/fault_drill.py`` and
+    ``tests/integration/test_startup_faults.py``."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "rayfed_proto.cli", "-v", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
+    started, lines, sent = set(), [], False
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        try:
+            started |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+        if not sent and f"{STAGE_LOG}{stage}" in line:
+            proc.send_signal(sig)
+            sent = True
+        if deadline is not None and time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise TimeoutError(f"the CLI ran past {timeout} s:\n" + "".join(lines[-50:]))
+    proc.wait(timeout=60)
+    time.sleep(3)
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    return StageSignalled(proc.returncode, "".join(lines), sent, [p for p in started if alive(p)])

@@ -4,53 +4,21 @@
 from __future__ import annotations
 
 import errno
-import os
 import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
 from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+from rayfed_proto.runtime.signals import signal_cli_at_stage
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["algorithm.name=fedproto", "data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20",
          "model.group=small_hetero", "model.feature_dim=32", "federation.num_clients=4", "federation.eval_every=1",
          "tracking.system_metrics=false"]
 QUIET = {"progress": False, "echo": lambda s: None}
-
-
-def _signal_at_stage(stage: str, sig: int, sets: list[str], cwd: Path, timeout: float = 300):
-    """Run the CLI (with -v, which logs each start-up stage), send ``sig`` when ``stage`` begins;
-    returns (exit code, output, pids of every process it started that are still alive)."""
-    import psutil
-
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "rayfed_proto.cli", "-v", "run", "--no-progress", *[x for s in sets for x in ("--set", s)]]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env)
-    started, lines, sent = set(), [], False
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        try:
-            started |= {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
-        except psutil.Error:
-            pass
-        if not sent and f"start-up stage: {stage}" in line:
-            proc.send_signal(sig)
-            sent = True
-        assert time.monotonic() < deadline, "".join(lines[-50:])
-    proc.wait(timeout=60)
-    assert sent, f"stage {stage!r} never began:\n" + "".join(lines[-50:])
-    time.sleep(3)  # Ray's processes end after the driver (atexit shutdown)
-    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    return proc.returncode, "".join(lines), alive
 
 
 def _runs(uri: str):
@@ -70,7 +38,10 @@ def test_a_signal_during_start_up_stops_the_run_cleanly(ray_session, tracking, t
     sets = SMALL + track + ["federation.rounds=3", "checkpoint.every=1"]
     if not own_ray:
         sets.append(f"resources.address={ray.get_runtime_context().gcs_address}")
-    code, output, alive = _signal_at_stage(stage, sig, sets, tmp_path)
+    done = signal_cli_at_stage(["run", "--no-progress", *[x for s in sets for x in ("--set", s)]], stage, sig, tmp_path,
+                               timeout=300)
+    code, output, alive = done.returncode, done.output, done.alive
+    assert done.sent, f"stage {stage!r} never began:\n" + output[-5000:]
     assert code == (143 if sig == signal.SIGTERM else 130), output[-3000:]
     assert "Traceback" not in output and "Exception ignored" not in output, output[-3000:]
     assert alive == [], output[-2000:]
