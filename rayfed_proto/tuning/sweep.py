@@ -35,7 +35,7 @@ from rayfed_proto.tuning.report import (
     write_best_yaml,
 )
 from rayfed_proto.tuning.resources import check_fits_cluster, resolve_gpus_per_trial
-from rayfed_proto.tuning.spec import SweepSpec, _corner_values, parse_sweep
+from rayfed_proto.tuning.spec import SweepSpec, corner_values, parse_sweep
 from rayfed_proto.tuning.trainable import (
     TrialContext,
     absolute_paths,
@@ -135,7 +135,7 @@ def _check_cluster(spec: SweepSpec, ctx: TrialContext) -> None:
     cap = capacity(spec.base_config.resources)  # issue 13: an autoscaling cluster counts the nodes it can add
     totals, nodes = cap.totals(), cap.nodes
     issues: list[ConfigIssue] = []
-    for values in _corner_values(spec.space):
+    for values in corner_values(spec.space):
         _, plan = trial_config(ctx, values)
         issues.extend(i for i in check_fits_cluster(plan, nodes, totals) if str(i) not in {str(j) for j in issues})
     if issues:
@@ -153,7 +153,7 @@ def request_for_trials(ctx: TrialContext, spec: SweepSpec) -> bool:
 def _trial_bundles(ctx: TrialContext, spec: SweepSpec) -> list[dict[str, float]]:
     """One trial's placement-group bundles (the first corner of the search space stands for all);
     the request is narrowed to fewer trials' groups as trials finish (tuning/requests.py)."""
-    _, plan = trial_config(ctx, next(iter(_corner_values(spec.space)), {}))
+    _, plan = trial_config(ctx, next(iter(corner_values(spec.space)), {}))
     return plan.bundles
 
 
