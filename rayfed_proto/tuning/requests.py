@@ -1,7 +1,7 @@
 """A sweep's autoscaler request, narrowed as its trials finish.
 
 Before ``Tuner.fit`` a sweep on an autoscaling cluster asks for the placement groups of
-``max_concurrent_trials`` trials at once (``sweep.request_for_trials``). A request stands until
+``max_concurrent_trials`` trials at once (``plan.request_for_trials``). A request stands until
 it is replaced, so without narrowing the nodes for all concurrent trials would stay up until the
 last trial ends. :class:`NarrowRequest`, a Tune callback, replaces it each time a trial
 completes or errors for good with the groups of the trials that can still run at once

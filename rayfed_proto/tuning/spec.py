@@ -342,7 +342,12 @@ def _schema_has_key(dotted: str) -> bool:
     return True
 
 
-def _corner_values(space: dict[str, Distribution]) -> list[dict[str, Any]]:
+def corner_values(space: dict[str, Distribution]) -> list[dict[str, Any]]:
+    """The swept values at the corners of ``space`` (each choice, each bound: every sampled value
+    lies between or among them), one mapping per trial to build; every combination while there
+    are at most ``MAX_CORNER_CONFIGS``, else each key's corners with the others at their first.
+    Never empty: an empty space has one corner, ``{}``. The first stands for every trial where
+    one trial's shape is needed (the placement groups a sweep asks the autoscaler for)."""
     keys = list(space)
     corners = [space[k].corners() for k in keys]
     if math.prod(len(c) for c in corners) <= MAX_CORNER_CONFIGS:
@@ -418,7 +423,7 @@ def _check_trials(spec: SweepSpec) -> None:
     from rayfed_proto.tuning.resources import trial_overrides
 
     seen: dict[str, ConfigIssue] = {}
-    for values in _corner_values(spec.space):
+    for values in corner_values(spec.space):
         raw = spec.trial_raw(values)
         try:
             cfg = build_config(raw)

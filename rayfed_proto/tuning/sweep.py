@@ -21,10 +21,11 @@ from typing import Any, Optional
 import yaml
 
 from rayfed_proto.config import ConfigError, ConfigIssue
-from rayfed_proto.runtime.autoscale import capacity, request_if_short, withdraw_request
+from rayfed_proto.runtime.autoscale import withdraw_request
 from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED, sweep_best
 from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, resolve_tracking_uri
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
+from rayfed_proto.tuning.plan import check_cluster, plan_sweep, request_for_trials
 from rayfed_proto.tuning.report import (
     best_config,
     format_table,
@@ -34,15 +35,8 @@ from rayfed_proto.tuning.report import (
     rank_trials,
     write_best_yaml,
 )
-from rayfed_proto.tuning.resources import check_fits_cluster, resolve_gpus_per_trial
-from rayfed_proto.tuning.spec import SweepSpec, _corner_values, parse_sweep
-from rayfed_proto.tuning.trainable import (
-    TrialContext,
-    absolute_paths,
-    make_trainable,
-    trial_config,
-    trial_resources_fn,
-)
+from rayfed_proto.tuning.spec import SweepSpec, parse_sweep
+from rayfed_proto.tuning.trainable import absolute_paths, make_trainable, trial_resources_fn
 
 log = logging.getLogger("rayfed_proto")
 STATE_FILE = "rayfed_sweep.yaml"
@@ -131,32 +125,6 @@ def _searcher(spec: SweepSpec):
     return OptunaSearch(seed=spec.file.searcher.seed)
 
 
-def _check_cluster(spec: SweepSpec, ctx: TrialContext) -> None:
-    cap = capacity(spec.base_config.resources)  # issue 13: an autoscaling cluster counts the nodes it can add
-    totals, nodes = cap.totals(), cap.nodes
-    issues: list[ConfigIssue] = []
-    for values in _corner_values(spec.space):
-        _, plan = trial_config(ctx, values)
-        issues.extend(i for i in check_fits_cluster(plan, nodes, totals) if str(i) not in {str(j) for j in issues})
-    if issues:
-        raise ConfigError(issues, f"{spec.source} (against the cluster)")
-
-
-def request_for_trials(ctx: TrialContext, spec: SweepSpec) -> bool:
-    """Ask an autoscaling cluster for the placement groups of ``max_concurrent_trials`` trials (the
-    first corner of the search space stands for all) when it lacks them; True when asked. Tune's
-    pending trial groups are a demand the autoscaler serves too; this asks at once, for all."""
-    concurrent = min(spec.file.max_concurrent_trials, spec.num_trials)
-    return request_if_short(_trial_bundles(ctx, spec) * max(1, concurrent))
-
-
-def _trial_bundles(ctx: TrialContext, spec: SweepSpec) -> list[dict[str, float]]:
-    """One trial's placement-group bundles (the first corner of the search space stands for all);
-    the request is narrowed to fewer trials' groups as trials finish (tuning/requests.py)."""
-    _, plan = trial_config(ctx, next(iter(_corner_values(spec.space)), {}))
-    return plan.bundles
-
-
 def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None, address: Optional[str] = None,
               tracking_uri: Optional[str] = None, best_out: Optional[Path] = None, stop=None, verbose: int = 1,
               echo: Callable[[str], None] = print) -> SweepResult:
@@ -198,23 +166,18 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
                 # a trial killed with the interrupted sweep may have ended its run after that sweep closed it
                 _close_children(client, spec, parent_run_id, _errored_trials(exp_path))
 
-        gpus = resolve_gpus_per_trial(spec.file.trial_resources.gpus_per_trial, capacity(spec.base_config.resources).gpus,
-                                      spec.file.max_concurrent_trials)
-        ctx = TrialContext(sweep_name=spec.name, base_raw=base_raw, space_keys=list(spec.space),
-                           trial_resources=spec.file.trial_resources.model_dump(), gpus_per_trial=gpus,
-                           metric=spec.file.metric, tracking_uri=log_uri, parent_run_id=parent_run_id,
-                           output_dir=output_dir, driver_pin=_driver_pin(log_uri),
-                           experiment_name=exp_path.rstrip("/").rsplit("/", 1)[-1])
-        _check_cluster(spec, ctx)
-        asked = request_for_trials(ctx, spec)  # issue 13: an autoscaling cluster starts the nodes now
-        trainable = tune.with_resources(make_trainable(ctx), trial_resources_fn(ctx))
+        plan = plan_sweep(spec, base_raw, tracking_uri=log_uri, parent_run_id=parent_run_id, output_dir=output_dir,
+                          driver_pin=_driver_pin(log_uri), experiment_name=exp_path.rstrip("/").rsplit("/", 1)[-1])
+        check_cluster(plan)
+        asked = request_for_trials(plan)  # issue 13: an autoscaling cluster starts the nodes now
+        trainable = tune.with_resources(make_trainable(plan.ctx), trial_resources_fn(plan.ctx))
 
         if resume is None:
             _write_state(exp_path, {"source": spec.source, "sweep": {**spec.file.model_dump(mode="json"), "base": base_raw, "set": {}},
                                     "store_uri": store_uri, "parent_run_id": parent_run_id, "output_dir": output_dir})
         from rayfed_proto.tuning.requests import NarrowRequest  # imports ray.tune: not at `tune --check`
 
-        narrow = NarrowRequest(_trial_bundles(ctx, spec), spec.file.max_concurrent_trials, spec.num_trials)
+        narrow = NarrowRequest(plan.trial_bundles, spec.file.max_concurrent_trials, spec.num_trials)
         grid = _tuner(spec, trainable, exp_path, resume is not None, stop, verbose, echo, callbacks=[narrow]).fit()
 
         result = _summarise(grid, spec, exp_path, store_uri, parent_run_id, client, best_out, echo)
