@@ -19,7 +19,6 @@ them, so every caller of :func:`build_config` gets them.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
