@@ -316,9 +316,9 @@ def issue40_guards(tmp: Path, cfg, uri: str):
     from mlflow.tracking import MlflowClient
 
     from rayfed_proto.config import ConfigError, InputError, build_config
-    from rayfed_proto.runtime import driver
     from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
     from rayfed_proto.runtime.runfolder import RunFault
+    from rayfed_proto.tracking import run_end
 
     quiet = {"progress": False, "echo": lambda s: None}
     yield "guard: SIGTERM while the actors start (issue 40)", \
@@ -392,13 +392,13 @@ def issue40_guards(tmp: Path, cfg, uri: str):
         said = []
         for name, error in (("full", OSError(errno.ENOSPC, "No space left on device")),
                             ("unwritable", PermissionError(errno.EACCES, "Permission denied"))):
-            original = driver._write_final_artifacts
+            original = run_end.write_final_artifacts
 
             def failing(out, *args, error=error, **kwargs):
                 error.filename = str(out / "history.parquet")
                 raise error
 
-            driver._write_final_artifacts = failing
+            run_end.write_final_artifacts = failing
             try:
                 run_experiment(cfg(f"disk_{name}", ["federation.mode=sync", "checkpoint.every=1"]), **quiet)
                 said.append(f"{name}: finished (WRONG)")
@@ -409,7 +409,7 @@ def issue40_guards(tmp: Path, cfg, uri: str):
                 said.append(f"{name}: exit 1, MLflow {run[0].info.status if run else 'NOT FAILED (WRONG)'}, "
                             f"kept: {'checkpoint named' if 'checkpoint of version' in str(e) else 'none'}")
             finally:
-                driver._write_final_artifacts = original
+                run_end.write_final_artifacts = original
         return "; ".join(said)
 
     yield "guard: disk full / run folder unwritable at the end of a run, simulated (issue 40)", \

@@ -245,6 +245,19 @@ class ActorFleet:
             self.pg = None
 
 
+def actor_infos(handles: list) -> list[dict[str, Any]]:
+    """Placement and memory of each actor; one that died after the last version reports NaNs."""
+    from ray.exceptions import RayActorError
+
+    out = []
+    for h in handles:
+        try:
+            out.append(ray.get(h.info.remote()))
+        except RayActorError:
+            out.append({"dead": True, "peak_rss_mib": float("nan"), "pss_mib": float("nan")})
+    return out
+
+
 class _Chained:
     """(client, state) over every worker's :class:`~rayfed_proto.runtime.actors.RemoteStates`,
     iterable again (a failed checkpoint write is retried; a generator would be spent)."""

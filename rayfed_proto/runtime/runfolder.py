@@ -375,3 +375,21 @@ def load_partition(folder: Path):
         raise InputError(f"cannot read {path} ({first}): a resume needs the run's partition unchanged (which client "
                          f"holds which samples){copy}. Put the file back, or start the run afresh: rayfed-proto run "
                          f"{Path(folder) / 'config.yaml'}") from None
+
+
+def resume_tracking(tracker, ckpt, out: Path, history: list[dict[str, Any]], cfg, driver: dict[str, str], echo) -> str:
+    """The checkpoint's MLflow run, continued (a checkpoint without one: a new run); the versions
+    the earlier driver logged after the checkpoint are tagged superseded. Returns the run id."""
+    run_id = (tracker.resume(ckpt.manifest["run_id"], tags=driver) if ckpt.manifest.get("run_id")
+              else tracker.start(cfg.flat(), tags=driver))
+    echo(f"resuming from {ckpt.path} (version {ckpt.version})")
+    # logged by the earlier driver after the checkpoint (and the checkpoint's own version when its
+    # history lacks it): evaluated again now
+    evaluated = {h["version"] for h in history}
+    redone = tracker.note_superseded_steps(ckpt.version if ckpt.version in evaluated else ckpt.version - 1)
+    if redone:
+        echo(f"versions {redone[0]}..{redone[-1]} were logged after that checkpoint and are redone: MLflow "
+             "keeps both points (the later is valid; tag superseded_steps); history.parquet holds only the "
+             "valid ones")
+    clear_finished(out)  # continued: it is not finished until it finishes again
+    return run_id

@@ -88,6 +88,19 @@ class Limits:
     evaluate_start: bool = True
     eval_clients: Optional[list[int]] = None  # the clients every evaluation covers (None: all)
 
+    @classmethod
+    def for_run(cls, cfg, real_slots: int, start_version: int, evaluated: set[int],
+                eval_clients: Optional[list[int]]) -> Limits:
+        """A run's limits from its config; ``evaluated``: the versions its history holds (a resume
+        does not evaluate its start version again)."""
+        fed, rel = cfg.federation, cfg.reliability
+        stop = cfg.faults.stop_at_version  # unless a resume starts at or after it: the stop it asked for has happened
+        return cls(rounds=fed.rounds, eval_every=fed.eval_every, real_slots=real_slots,
+                   checkpoint_every=cfg.checkpoint.every, max_client_failures=rel.max_client_failures,
+                   max_server_failures=rel.max_server_failures, drain_timeout_s=rel.drain_timeout_s,
+                   stop_at_version=stop if stop is not None and stop > start_version else None,
+                   start_version=start_version, evaluate_start=start_version not in evaluated, eval_clients=eval_clients)
+
 
 @dataclass
 class Hooks:

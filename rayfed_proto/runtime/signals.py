@@ -14,7 +14,11 @@ through the driver's ordinary clean-up (actors killed, the MLflow run ended, Ray
 exit). ``ray.init`` is kept from installing its handler (:func:`ray_keeps_our_handlers`). The
 handlers are installed only in the main thread (a Tune trial's thread has Tune's).
 :func:`signal_cli_at_stage` sends a signal to the CLI as a given stage begins (the fault drill's
-and the tests' way in). No Ray import at module level.
+and the tests' way in).
+
+Once the scheduler runs, :func:`install_stop_handlers` takes over: the first signal asks it to
+drain, checkpoint and stop (:class:`RunInterrupted` then says where to resume), a second SIGINT
+stops at once (:func:`stopped_at_once`). No Ray import at module level.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import shutil
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -193,3 +198,52 @@ def signal_cli_at_stage(args: list[str], stage: str, sig: int, cwd: Path,
             return False
 
     return StageSignalled(proc.returncode, "".join(lines), sent, [p for p in started if alive(p)])
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by SIGINT/SIGTERM (or ``faults.stop_at_version``) after a clean drain; the
+    message says how to resume. A KeyboardInterrupt, so callers that only know Ctrl-C still stop."""
+
+    def __init__(self, message: str, output_dir: Path, version: int, signal_name: str):
+        super().__init__(message)
+        self.output_dir, self.version, self.signal_name = output_dir, version, signal_name
+
+
+def install_stop_handlers(scheduler) -> Callable[[], None]:
+    """SIGINT/SIGTERM: the first asks the scheduler to drain, checkpoint and stop; a second
+    SIGINT stops at once (KeyboardInterrupt). Only possible in the main thread (not in a Tune
+    trial's thread, where Tune handles stopping)."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum, frame):
+        name = signal.Signals(signum).name
+        if scheduler.recovery.stop_reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        scheduler.recovery.request_stop(name)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+
+    def restore() -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+    return restore
+
+
+def stopped_at_once(store, out: Path, tracker) -> RunInterrupted:
+    """A second Ctrl-C abandoned the running updates: say where the run can resume from."""
+    try:
+        latest = store.latest()
+    except Exception:  # a damaged store: the resume will say more
+        latest = None
+    if latest is not None:
+        tracker.set_tags({"stopped": "SIGINT (at once)", "resume_from": str(out)})
+        msg = (f"stopped at once (second Ctrl-C); the running updates were abandoned; checkpoint of version "
+               f"{latest.version} in {latest.path}.\nResume with: rayfed-proto run --resume {out}")
+    else:
+        msg = (f"stopped at once (second Ctrl-C) before the first checkpoint: nothing to resume. "
+               f"Start again with: rayfed-proto run {out / 'config.yaml'}")
+    return RunInterrupted(msg, out, latest.version if latest is not None else 0, "SIGINT")

@@ -46,6 +46,23 @@ class RunLogging:
                 self.input_example = dataset.tensors(np.asarray(idx[:2]))[0].numpy()
 
     # ------------------------------------------------------------------------------ start
+    def new_run(self, out: Path, eval_clients: Optional[list[int]]) -> None:
+        """A fresh run's first artifacts (its config, partition, label heatmap and the clients every
+        evaluation covers, also written to ``out``), then :meth:`started`."""
+        from rayfed_proto.tracking import plots  # here: it imports matplotlib, needed once per run
+
+        cfg = self.cfg
+        self.tracker.log_artifact(out / "config.yaml")
+        self.tracker.log_artifact(out / "partition.parquet")
+        heatmap = plots.plot_label_distribution(self.partition.label_counts(), out / "label_distribution.png",
+                                                class_names=self.class_names,
+                                                title=f"{cfg.data.name}: {cfg.data.partition.name} partition")
+        self.tracker.log_artifact(heatmap, "plots")
+        if eval_clients is not None:  # a sample of the clients
+            (out / "eval_clients.txt").write_text("".join(f"{c}\n" for c in eval_clients))
+            self.tracker.log_artifact(out / "eval_clients.txt")
+        self.started()
+
     def started(self) -> None:
         """A fresh run: its name and identifying tags, the clients' test-split sizes (a param),
         datasets and the partition table."""

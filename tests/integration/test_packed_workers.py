@@ -8,7 +8,7 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime import driver
+from rayfed_proto.runtime import preparation
 from rayfed_proto.runtime.driver import checkpoint_store, run_experiment
 
 pytestmark = pytest.mark.integration
@@ -67,14 +67,14 @@ def test_no_actor_reads_the_dataset_from_disk_even_when_recreated(ray_session, t
     labels = np.arange(400) % 4
     images = (rng.random((400, 1, 8, 8)) * 60 + labels[:, None, None, None] * 45).astype(np.uint8)
     np.savez(path, images=images, labels=labels)
-    real_load = driver.load_dataset
+    real_load = preparation.load_dataset
 
     def load_then_delete(data_cfg, seed):  # the driver reads the file; afterwards it is gone
         dataset = real_load(data_cfg, seed)
         path.unlink()
         return dataset
 
-    monkeypatch.setattr(driver, "load_dataset", load_then_delete)
+    monkeypatch.setattr(preparation, "load_dataset", load_then_delete)
     killed: list[int] = []
 
     def kill(version, metrics):  # kill worker 0 once, at version 2: it is recreated and set up again

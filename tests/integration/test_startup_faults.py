@@ -55,15 +55,15 @@ def test_a_signal_during_start_up_stops_the_run_cleanly(ray_session, tracking, t
 def test_a_disk_fault_mid_run_fails_the_run_with_exit_1_naming_the_folder(ray_session, tracking, monkeypatch):
     """Issue 40.6: an OSError while the run goes on (here: the final artifacts on a full disk) is a
     RunFault, not bad input: MLflow FAILED with a failure_reason naming the folder and what was kept."""
-    from rayfed_proto.runtime import driver
     from rayfed_proto.runtime.runfolder import RunFault
+    from rayfed_proto.tracking import run_end
 
     uri, track = tracking
 
     def full(out, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(out / "history.parquet"))
 
-    monkeypatch.setattr(driver, "_write_final_artifacts", full)
+    monkeypatch.setattr(run_end, "write_final_artifacts", full)
     with pytest.raises(RunFault) as fault:
         run_experiment(build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=2",
                                                          "checkpoint.every=1"]), **QUIET)

@@ -178,7 +178,8 @@ def test_sync_rounds_with_a_deadline_and_over_selection_drop_and_count_updates_a
     import pandas as pd
 
     from rayfed_proto.data import load_dataset
-    from rayfed_proto.runtime.driver import _partition, _system_model
+    from rayfed_proto.runtime.preparation import partition_for as _partition
+    from rayfed_proto.runtime.preparation import system_model as _system_model
 
     uri, track = tracking
     common = VIRTUAL + track + ["federation.mode=sync", "federation.participation=0.5", "federation.rounds=3",

@@ -43,8 +43,8 @@ def test_a_failed_write_is_counted_and_tried_again_at_the_same_version():
 
 
 def test_the_summary_names_failed_checkpoints_and_the_newest_usable_one():
-    from rayfed_proto.runtime.driver import _checkpoint_summary
     from rayfed_proto.runtime.scheduler import SchedulerStats
+    from rayfed_proto.tracking.run_end import checkpoint_summary as _checkpoint_summary
 
     store = SimpleNamespace(latest=lambda: SimpleNamespace(version=6))
     assert _checkpoint_summary(SchedulerStats(checkpoints=3), store) == "3 written; newest: version 6"

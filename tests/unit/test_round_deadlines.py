@@ -215,26 +215,30 @@ def test_the_scheduler_counts_round_drops_per_client_and_resumes_them_and_old_ch
 
 
 def test_the_summary_row_and_final_counters_show_round_drops_only_for_selective_rounds():
-    from rayfed_proto.runtime.driver import _drop_counters, _round_drops_row
+    from rayfed_proto.runtime.policies import AsyncSlots, ServerNeeds
     from rayfed_proto.runtime.scheduler import SchedulerStats
     from rayfed_proto.tracking import metric_names as names
+    from rayfed_proto.tracking.round_metrics import dispatch_counters
 
     stats = SchedulerStats(dispatched=260, updates_dropped_offline=3, updates_dropped_deadline=29,
                            updates_dropped_over_selection=37)
+    offline = {"updates dropped offline": "3 of 260 dispatched (client offline before the update finished)"}
     both, _ = policy(per_round=2, deadline_s=5.0, over_selection=2.0)
-    assert _round_drops_row(both, stats) == {"updates dropped by the round": (
+    assert both.summary_rows(stats) == {**offline, "updates dropped by the round": (
         "66 of 260 dispatched: 29 after the deadline (5 s from the round start), 37 beyond the first 2 to finish "
         "(4 selected per round)")}
     deadline_only, _ = policy(per_round=2, deadline_s=5.0)
-    assert _round_drops_row(deadline_only, stats)["updates dropped by the round"].endswith(
+    assert deadline_only.summary_rows(stats)["updates dropped by the round"].endswith(
         "dispatched: 29 after the deadline (5 s from the round start)")
     over_only, _ = policy(per_round=2, over_selection=2.0)
-    assert "deadline" not in _round_drops_row(over_only, stats)["updates dropped by the round"]
-    assert _round_drops_row(policy(per_round=2)[0], stats) == {}  # plain sync rounds: no such row
-    assert _round_drops_row(SimpleNamespace(clock=None), stats) == {}  # async policies have no `selective`
-    assert _drop_counters(stats) == {names.FEDERATION_UPDATES_DROPPED_OFFLINE: 3,
-                                     names.FEDERATION_UPDATES_DROPPED_DEADLINE: 29,
-                                     names.FEDERATION_UPDATES_DROPPED_OVER_SELECTION: 37}
+    assert "deadline" not in over_only.summary_rows(stats)["updates dropped by the round"]
+    assert policy(per_round=2)[0].summary_rows(stats) == offline  # plain sync rounds (with a clock): no round row
+    real_time = AsyncSlots(6, 2, ServerNeeds(2, True, 5), np.random.default_rng(0))
+    assert real_time.summary_rows(stats) == {}  # no clock: no client goes offline, no rounds
+    assert dispatch_counters(stats) == {names.FEDERATION_UPDATES_DISPATCHED: 260,
+                                        names.FEDERATION_UPDATES_DROPPED_OFFLINE: 3,
+                                        names.FEDERATION_UPDATES_DROPPED_DEADLINE: 29,
+                                        names.FEDERATION_UPDATES_DROPPED_OVER_SELECTION: 37}
 
 
 def test_a_failed_run_logs_the_round_drop_counters_too(tmp_path):
@@ -247,7 +251,8 @@ def test_a_failed_run_logs_the_round_drop_counters_too(tmp_path):
     stats = SchedulerStats(dispatched=12, updates_dropped_offline=1, updates_dropped_deadline=2,
                            updates_dropped_over_selection=3)
     dead_server = SimpleNamespace(stats=SimpleNamespace(remote=lambda: None))  # its counters cannot be read
-    _record_failure(tracker, SimpleNamespace(stats=stats, server=dead_server, version=2), [], tmp_path, "no progress")
+    _record_failure(SimpleNamespace(scheduler=SimpleNamespace(stats=stats, server=dead_server, version=2),
+                                    tracker=tracker, history=[], out=tmp_path), "no progress")
     ((step, counters),) = logged
     assert step == 2 and {k: counters[k] for k in (names.FEDERATION_UPDATES_DROPPED_OFFLINE,
                                                    names.FEDERATION_UPDATES_DROPPED_DEADLINE,

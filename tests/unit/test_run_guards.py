@@ -274,20 +274,25 @@ def test_no_progress_limits_are_validated_config_keys():
 # ------------------------------------------------------------------ end of a run (item 8)
 
 def test_counters_are_not_logged_twice_at_the_final_step():
-    from rayfed_proto.runtime.driver import _end_counters
+    from rayfed_proto.runtime.scheduler import SchedulerStats
     from rayfed_proto.tracking import metric_names as names
+    from rayfed_proto.tracking.round_metrics import end_counters
 
     failures, written, withheld = (names.RELIABILITY_CLIENT_FAILURES, names.RELIABILITY_CHECKPOINTS_WRITTEN,
                                    names.FEDERATION_UPDATES_WITHHELD_AFTER_END)
-    history = [{"version": 5, failures: 1, written: 2}]
-    assert _end_counters(history, 5, {failures: 1, written: 2, withheld: 3}) == {withheld: 3}
-    assert _end_counters(history, 5, {failures: 2}) == {failures: 2}  # moved since: logged
-    assert _end_counters(history, 6, {failures: 1}) == {failures: 1}  # no evaluation at the end
+    stats = SchedulerStats(client_failures=1, checkpoints=2, withheld=3)
+    at_five = end_counters(stats, [], 5)  # every counter, as at a step without an evaluation
+    history = [{"version": 5, **at_five, withheld: 0}]
+    assert end_counters(stats, history, 5) == {withheld: 3}  # the rest were logged with the same value
+    stats.client_failures = 2
+    assert end_counters(stats, history, 5) == {withheld: 3, failures: 2}  # moved since: logged
+    assert end_counters(stats, history, 6) == at_five | {failures: 2}  # no evaluation at the end
+    assert at_five[written] == 2 and at_five[withheld] == 3
 
 
 def test_a_second_ctrl_c_says_where_to_resume(tmp_path):
     from rayfed_proto.runtime.checkpoint import CheckpointStore
-    from rayfed_proto.runtime.driver import _stopped_at_once
+    from rayfed_proto.runtime.signals import stopped_at_once as _stopped_at_once
     from rayfed_proto.tracking.mlflow_tracker import NullTracker
 
     store = CheckpointStore(tmp_path / "checkpoints")

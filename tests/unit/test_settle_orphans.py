@@ -149,7 +149,7 @@ def test_a_store_that_cannot_be_searched_is_a_warning_not_a_failure(tmp_path, ca
 
 def _driver_step_run(tmp_path, uri, out, ckpt=None):
     from rayfed_proto.config import build_config
-    from rayfed_proto.runtime.driver import _Run
+    from rayfed_proto.runtime.run_state import RunState as _Run
     from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
 
     cfg = build_config({}, [f"tracking.tracking_uri={uri}", "tracking.experiment_name=orphans",

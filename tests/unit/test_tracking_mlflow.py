@@ -61,7 +61,8 @@ def _fake_evaluation():
               "server_metrics": {"train_loss": 7.5, "server_loss": 6.5, "xi_mean": 0.25, "global_acc": 0.7,
                                  "train_s": 9.0}}
     stats = SimpleNamespace(last_terms={0: {"loss": 0.5, "ce": 0.4}, 1: {"loss": 0.9, "ce": float("nan")}},
-                            bytes_up=100, bytes_down=400, dispatched=9, busy_s=12.0)
+                            bytes_up=100, bytes_down=400, dispatched=9, busy_s=12.0, updates_dropped_offline=0,
+                            updates_dropped_deadline=0, updates_dropped_over_selection=0)
     return results, server, stats
 
 
@@ -88,18 +89,18 @@ def test_version_metrics_are_born_with_their_names_and_the_two_losses_kept_apart
 
 
 def test_the_drivers_metric_helpers_use_the_table():
-    from rayfed_proto.runtime.driver import _bar_postfix, _client_actor_restarts, _reliability_metrics
+    from rayfed_proto.tracking.round_metrics import client_restart_counters, reliability_counters
+    from rayfed_proto.tracking.run_end import bar_postfix
     from rayfed_proto.tracking.run_logging import RunLogging
 
     stats = SimpleNamespace(client_failures=1, updates_lost_client=2, server_restarts=0, updates_lost_server=0,
                             versions_redone=0, evals_incomplete=0, excluded={3}, checkpoints=4, versions_empty=0,
                             checkpoints_failed=0)
-    scheduler = SimpleNamespace(stats=stats)
-    made = {**_reliability_metrics(scheduler), **_client_actor_restarts(scheduler)}
+    made = {**reliability_counters(stats), **client_restart_counters(stats)}
     assert all(names.is_name(k) for k in made) and made[names.RELIABILITY_CLIENTS_EXCLUDED] == 1
     results, server, st = _fake_evaluation()
     m = version_metrics(results, server, st, wall=10.0, sim_time=55.0, slots=2)
-    assert _bar_postfix(m) == {"acc": "0.750", "proto": "0.650", "global": "0.700", "wall": "10s", "sim": "55s"}
+    assert bar_postfix(m) == {"acc": "0.750", "proto": "0.650", "global": "0.700", "wall": "10s", "sim": "55s"}
 
     logged = []
     run_log = RunLogging.__new__(RunLogging)  # only what actor_memory and on_eval need
@@ -130,7 +131,8 @@ def test_the_drivers_metric_helpers_use_the_table():
 
 
 def test_the_drivers_end_of_run_metrics_use_the_table(tmp_path):
-    from rayfed_proto.runtime.driver import _log_time_to_target, _record_failure
+    from rayfed_proto.runtime.driver import _record_failure
+    from rayfed_proto.tracking.run_end import time_to_target_metrics
 
     class Tracker:
         def __init__(self):
@@ -144,19 +146,22 @@ def test_the_drivers_end_of_run_metrics_use_the_table(tmp_path):
 
     history = [{"version": v, names.EVAL_HEAD_ACC: 0.2 * v, names.FEDERATION_WALL_S: 2.0 * v,
                 names.FEDERATION_SIM_TIME_S: 10.0 * v} for v in range(4)]
-    run = SimpleNamespace(cfg=SimpleNamespace(tracking=SimpleNamespace(target_accuracy=0.4)), history=history,
-                          tracker=Tracker())
-    _log_time_to_target(run, 3)
-    assert run.tracker.logged == [{names.FEDERATION_TIME_TO_TARGET_SIM_S: 20.0, names.FEDERATION_TIME_TO_TARGET_WALL_S: 4.0}]
+    assert time_to_target_metrics(history, 0.4) == {names.FEDERATION_TIME_TO_TARGET_SIM_S: 20.0,
+                                                    names.FEDERATION_TIME_TO_TARGET_WALL_S: 4.0}
+    assert time_to_target_metrics(history, 0.9) == {} and time_to_target_metrics(history, None) == {}
 
     stats = SimpleNamespace(client_failures=0, updates_lost_client=0, server_restarts=0, updates_lost_server=0,
                             versions_redone=0, evals_incomplete=0, excluded=set(), checkpoints=1, versions_empty=0,
-                            checkpoints_failed=0, dispatched=5)
+                            checkpoints_failed=0, dispatched=5, updates_dropped_offline=0, updates_dropped_deadline=0,
+                            updates_dropped_over_selection=0)
     dead_server = SimpleNamespace(stats=SimpleNamespace(remote=lambda: None))  # its counters cannot be read
     tracker = Tracker()
-    _record_failure(tracker, SimpleNamespace(stats=stats, server=dead_server, version=3), [], tmp_path, "no progress")
+    run = SimpleNamespace(scheduler=SimpleNamespace(stats=stats, server=dead_server, version=3), tracker=tracker,
+                          history=[], out=tmp_path)
+    _record_failure(run, "no progress")
     (counters,) = tracker.logged
     assert counters[names.FEDERATION_UPDATES_DISPATCHED] == 5 and all(names.is_name(k) for k in counters)
+    assert names.FEDERATION_UPDATES_REFUSED not in counters and tracker.tags == {"failure_reason": "no progress"}
 
 
 def test_the_tracker_logs_names_as_given_and_warns_about_a_name_the_table_did_not_make(caplog):

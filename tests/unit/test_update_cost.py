@@ -121,7 +121,7 @@ def test_the_clock_charges_the_work_of_the_version_an_update_trains_against():
 
 def test_the_driver_charges_the_configured_methods_work_from_the_partition():
     from rayfed_proto.data import load_dataset, make_partition
-    from rayfed_proto.runtime.driver import _system_model
+    from rayfed_proto.runtime.preparation import system_model as _system_model
 
     over = ["data.name=digits", "federation.num_clients=3", "model.group=HtFE1", "system.cost_per_sample.cnn=3.0",
             "training.local_epochs=2", "data.public_size=50"]
