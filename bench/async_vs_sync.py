@@ -61,9 +61,9 @@ MODES = {
     "sync_deadline": {"per": 10, "set": ["federation.mode=sync", "federation.participation=0.2"], "deadline": True},
     "async": {"per": 5, "set": ["federation.mode=async", "federation.buffer_size=5", "federation.participation=0.2"]},
     "fedbuff": {"per": 5, "set": ["federation.mode=async", "federation.buffer_size=5", "federation.participation=0.2",
-                                  "algorithm.async_policy=fedbuff"], "weights_only": True},
+                                  "algorithm.server_rule=fedbuff"], "weights_only": True},
     "fedasync": {"per": 1, "set": ["federation.mode=async", "federation.buffer_size=1", "federation.participation=0.2",
-                                   "algorithm.async_policy=fedasync"], "weights_only": True},
+                                   "algorithm.server_rule=fedasync"], "weights_only": True},
 }
 # --scenario trace: FedScale-format device and behaviour traces (fedscale_traces) instead of lognormal speeds
 SCENARIO_MODES = {"lognormal": ["sync", "async", "fedbuff"], "trace": ["sync", "sync_deadline", "async", "fedbuff"]}

@@ -3,7 +3,7 @@
 Plain numpy, no Ray; unit-tested in ``tests/unit/test_async_policies.py``. The runtime hands
 ``aggregate`` a buffer of K accepted updates (K = ``federation.buffer_size`` in async mode,
 the whole round in sync mode) and knows nothing about these policies: they are the method's
-options (``algorithm.async_policy`` and the keys below), and the client and the server read
+options (``algorithm.server_rule`` and the keys below), and the client and the server read
 the same options.
 
 Staleness of an update (``staleness``): versions produced while its client trained,
@@ -46,7 +46,7 @@ from typing import Literal
 
 import numpy as np
 
-AsyncPolicy = Literal["mix", "fedasync", "fedbuff"]
+ServerRule = Literal["mix", "fedasync", "fedbuff"]
 StalenessFunction = Literal["constant", "polynomial", "hinge"]
 
 

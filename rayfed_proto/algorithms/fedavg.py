@@ -2,7 +2,7 @@
 
 The reference point for homogeneous models and the weight-exchange path that FedLSA and FedSC
 build on. How a buffer of (possibly stale) models enters the global model is the option
-``async_policy`` (``algorithms/async_weights.py``, docs/algorithms.md "Asynchronous
+``server_rule`` (``algorithms/async_weights.py``, docs/algorithms.md "Asynchronous
 aggregation"):
 
 - ``mix`` (default, this platform's rule): the buffered models are averaged with weights
@@ -19,15 +19,17 @@ rate (server_lr, fedasync_alpha, server_lr) is 1.
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.async_weights import (
-    AsyncPolicy,
+    ServerRule,
     StalenessFunction,
     average_weights,  # noqa: F401 (re-exported: imported from here by tests and older code)
     fedbuff_step,
@@ -48,10 +50,21 @@ from rayfed_proto.algorithms.base import (
 from rayfed_proto.messages import ClientUpdate, GlobalState
 
 
+@dataclass(frozen=True)
+class _BothNames:
+    """``async_policy`` and ``server_rule`` both set, to different rules."""
+
+    old: Any
+    new: Any
+
+    def __repr__(self) -> str:  # the value an error names
+        return f"async_policy={self.old!r}, server_rule={self.new!r}"
+
+
 class FedAvgOptions(Options):
     """Options of FedAvg, inherited by FedLSA and FedSC: how the buffered models enter the global model."""
 
-    async_policy: AsyncPolicy = Field(
+    server_rule: ServerRule = Field(
         "mix", description="server policy for a buffer of (possibly stale) updates: 'mix' (this platform's "
         "staleness-weighted mixing, default), 'fedasync' (Xie et al. 2019) or 'fedbuff' (Nguyen et al. 2022; "
         "clients upload their model delta)")
@@ -72,15 +85,37 @@ class FedAvgOptions(Options):
         "samples", description="fedbuff: mean delta weighted by s_i n_i / sum n_i (FedAvg's weighting; reduces to "
         "FedAvg in sync mode) or by s_i / K (the paper's Algorithm 1 as printed)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _old_key(cls, data: Any) -> Any:
+        """``async_policy`` (before 0.9) is ``server_rule``: it still works, with a warning; both set is an error."""
+        if isinstance(data, dict) and "async_policy" in data:
+            data = dict(data)
+            old = data.pop("async_policy")
+            if "server_rule" in data and data["server_rule"] != old:
+                data["server_rule"] = _BothNames(old, data["server_rule"])  # refused under server_rule's name
+            else:
+                warnings.warn("algorithm.async_policy is now algorithm.server_rule (the federation's policies are "
+                              "federation.mode); the old key still works", FutureWarning, stacklevel=2)
+                data["server_rule"] = old
+        return data
+
+    @field_validator("server_rule", mode="before")
+    @classmethod
+    def _not_both(cls, v: Any) -> Any:
+        if isinstance(v, _BothNames):
+            raise ValueError(f"set once: async_policy={v.old!r} is the old name of server_rule={v.new!r}")
+        return v
+
     def run_issues(self, rounds: int) -> list[tuple[str, Any, str]]:
-        if self.server_lr > 1 and self.async_policy != "fedbuff":
-            return [("server_lr", self.server_lr, f"0 < server_lr <= 1 with async_policy {self.async_policy!r} "
-                     "(a mixing rate); a server learning rate above 1 needs async_policy 'fedbuff'")]
+        if self.server_lr > 1 and self.server_rule != "fedbuff":
+            return [("server_lr", self.server_lr, f"0 < server_lr <= 1 with server_rule {self.server_rule!r} "
+                     "(a mixing rate); a server learning rate above 1 needs server_rule 'fedbuff'")]
         return []
 
 
 class FedAvgClient(ClientAlgorithm):
-    """Loads the global weights; uploads its model, or with ``async_policy: fedbuff`` its delta
+    """Loads the global weights; uploads its model, or with ``server_rule: fedbuff`` its delta
     y_Q - y_0 against the model it started the local update from (FedBuff Algorithm 1)."""
 
     options: FedAvgOptions
@@ -101,7 +136,7 @@ class FedAvgClient(ClientAlgorithm):
     def begin_local_train(self, model, batches):
         # y_0: the model as received and loaded (receive runs before evaluation too, so the
         # snapshot is taken here, where only a training call comes)
-        self._start = as_numpy_state(model) if self.options.async_policy == "fedbuff" else None
+        self._start = as_numpy_state(model) if self.options.server_rule == "fedbuff" else None
 
     @classmethod
     def update_work(cls, options, sizes: UpdateSizes) -> list[Pass]:
@@ -111,10 +146,10 @@ class FedAvgClient(ClientAlgorithm):
 
     def make_update(self, model, x, y) -> ClientUpdate:
         weights = as_numpy_state(model)
-        if self.options.async_policy == "fedbuff":
+        if self.options.server_rule == "fedbuff":
             start, self._start = self._start, None
             if start is None:
-                raise RuntimeError("async_policy 'fedbuff' uploads y_Q - y_0, but no local_train call recorded y_0 "
+                raise RuntimeError("server_rule 'fedbuff' uploads y_Q - y_0, but no local_train call recorded y_0 "
                                    "(a subclass that overrides local_train or begin_local_train must call FedAvgClient.begin_local_train)")
             weights = model_delta(weights, start)  # FedBuff Algorithm 1: Delta_i = y_Q - y_0 (our sign)
         return ClientUpdate(client_id=self.client_id, base_version=self.version, num_samples=len(y), weights=weights)
@@ -155,12 +190,12 @@ class FedAvgServer(ServerAlgorithm):
             missing = [u.client_id for u in ups if u.num_samples is None]
             raise ValueError(f"FedAvg weights each upload by its client's sample count, but the updates of clients "
                              f"{missing} carry no num_samples")
-        if o.async_policy == "fedbuff":
+        if o.server_rule == "fedbuff":
             # FedBuff Algorithm 1: x <- x + eta_g sum_i s(tau_i) Delta_i / K (uploads are deltas)
             self.global_weights, rate = fedbuff_step(self.global_weights, [u.weights for u in ups],
                                                      self.staleness_scales(ups, version), samples, o.server_lr,
                                                      o.fedbuff_weighting)
-        elif o.async_policy == "fedasync":
+        elif o.server_rule == "fedasync":
             # FedAsync Algorithm 1: x_t = (1 - alpha_t) x_{t-1} + alpha_t x_new, alpha_t = alpha s(t - tau)
             self.global_weights, rate = mix_step(self.global_weights, [u.weights for u in ups],
                                                  self.staleness_scales(ups, version), samples, o.fedasync_alpha)

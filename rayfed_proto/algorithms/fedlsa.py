@@ -6,7 +6,7 @@ Homogeneous clients: encoder psi -> 2-layer projector phi -> h = phi(z) / |phi(z
 ``model.normalize_features: true`` so that ``ProtoModel.features`` is h.
 
 Server, each version: FedAvg of the uploaded weights (``FedAvgServer``, with its
-``async_policy``), then anchor learning (Eq. 3-5) against the classifier of the new global model,
+``server_rule``), then anchor learning (Eq. 3-5) against the classifier of the new global model,
 frozen:
     A = nor(Theta(R)),  R in R^{C x I} learnable, Theta a 2-layer MLP I -> H -> L
     L_LSA = L_ACE + alpha L_SEP                                             (Eq. 5)
@@ -41,7 +41,7 @@ from rayfed_proto.messages import GlobalState, PrototypeSet
 
 
 class FedLSAOptions(FedAvgOptions):
-    # server_lr (inherited from FedAvg with async_policy and its keys) is eta, the mixing rate
+    # server_lr (inherited from FedAvg with server_rule and its keys) is eta, the mixing rate
     # of the averaged weights (eta_g with fedbuff); the anchors' own learning rate is anchor_lr.
     lam: float = Field(0.7, ge=0, description="lambda: weight of L_COM (Eq. 10; paper grid {0.1, 0.7}); 0 turns it off")
     alpha: float = Field(0.4, ge=0, description="weight of L_SEP in the anchor loss (Eq. 5; paper grid {0.02, 0.4}); 0 turns it off")

@@ -2,7 +2,7 @@
 (papers/fedsc.md).
 
 Clients upload their weights and their local prototypes c_k^j with sample counts n_k^j (Eq. 3).
-Server, each version: FedAvg of the weights (``FedAvgServer``, with its ``async_policy``),
+Server, each version: FedAvg of the weights (``FedAvgServer``, with its ``server_rule``),
 then, over the client prototypes in scope (below), for every class j and the clients K^j that
 hold it:
     g^j   = staleness-weighted mean of c_k^j over K^j                                 (Eq. 5)

@@ -153,7 +153,7 @@ def train_round(name, opts, server, version, clients=None):
 def test_sync_round_is_fedavg_for_every_policy(name, policy, kw):
     """Staleness 0 and the whole round in the buffer: every policy (at rate 1) gives FedAvg's
     sample-weighted average of the trained models, BatchNorm counters included."""
-    fedavg_opts, opts = options(name), options(name, async_policy=policy, **kw)
+    fedavg_opts, opts = options(name), options(name, server_rule=policy, **kw)
     reference, server = ALGORITHMS.get(name).Server(fedavg_opts, spec(), CPU), ALGORITHMS.get(name).Server(opts, spec(), CPU)
     plain = train_round(name, fedavg_opts, reference, 1)  # full models (mix is today's FedAvg path)
     ups = train_round(name, opts, server, 1)
@@ -179,7 +179,7 @@ def test_sync_round_is_fedavg_for_every_policy(name, policy, kw):
 def test_rate_below_one_in_sync_is_not_fedavg(policy):
     # the sync test above can fail: with alpha / eta_g = 0.5 the step is half way
     kw = {"fedasync_alpha": 0.5} if policy == "fedasync" else {"server_lr": 0.5}
-    opts = options("fedavg", async_policy=policy, **kw)
+    opts = options("fedavg", server_rule=policy, **kw)
     server = ALGORITHMS.get("fedavg").Server(opts, spec(), CPU)
     x0 = {k: v.copy() for k, v in server.global_weights.items()}
     plain = train_round("fedavg", options("fedavg"), ALGORITHMS.get("fedavg").Server(options("fedavg"), spec(), CPU), 1)
@@ -192,7 +192,7 @@ def test_rate_below_one_in_sync_is_not_fedavg(policy):
 
 def _server_with(weights, policy, **kw):
     algo = ALGORITHMS.get("fedavg")
-    server = algo.Server(algo.Options(async_policy=policy, **kw),
+    server = algo.Server(algo.Options(server_rule=policy, **kw),
                          FederationSpec(num_clients=3, num_classes=2, feature_dim=2, seed=0,
                                         build_model=lambda: torch.nn.Linear(2, 2, bias=False)), CPU)
     server.global_weights = {"weight": np.full((2, 2), weights, np.float32)}
@@ -233,7 +233,7 @@ def test_mix_is_unchanged_and_uses_the_runtime_weights():
 
 def test_fedbuff_client_needs_local_train_before_make_update():
     algo = ALGORITHMS.get("fedavg")
-    client = algo.Client(algo.Options(async_policy="fedbuff"), spec(), 0)
+    client = algo.Client(algo.Options(server_rule="fedbuff"), spec(), 0)
     model = tiny_model()
     with pytest.raises(RuntimeError, match="y_0"):
         client.make_update(model, DATA[0][0], DATA[0][1])
@@ -241,7 +241,7 @@ def test_fedbuff_client_needs_local_train_before_make_update():
 
 def test_fedbuff_start_snapshot_is_not_kept_after_the_upload():
     algo = ALGORITHMS.get("fedavg")
-    opts = algo.Options(async_policy="fedbuff")
+    opts = algo.Options(server_rule="fedbuff")
     client = algo.Client(opts, spec(), 0)
     train_round("fedavg", opts, algo.Server(opts, spec(), CPU), 1, clients=[client] + [algo.Client(opts, spec(), k) for k in (1, 2)])
     assert client._start is None  # no model-sized state left on the client between updates
@@ -254,7 +254,7 @@ def test_fedbuff_start_snapshot_is_not_kept_after_the_upload():
 @pytest.mark.parametrize("policy", ["fedasync", "fedbuff"])
 def test_state_dict_round_trip_continues_identically(name, policy):
     algo = ALGORITHMS.get(name)
-    opts = options(name, async_policy=policy)
+    opts = options(name, server_rule=policy)
     server = algo.Server(opts, spec(), CPU)
     server.aggregate(train_round(name, opts, server, 1), [1.0] * 3, 1)
     state = server.state_dict()
@@ -280,12 +280,12 @@ def _issues(raw):
 @pytest.mark.parametrize("name", WEIGHT_SHARING)
 def test_defaults_keep_mix_and_the_papers_values(name):
     o = build_config({"algorithm": {"name": name}, "model": {"group": "HtFE1"}}).algorithm_options()
-    assert (o.async_policy, o.server_lr, o.fedasync_alpha, o.staleness_function, o.hinge_a, o.hinge_b,
+    assert (o.server_rule, o.server_lr, o.fedasync_alpha, o.staleness_function, o.hinge_a, o.hinge_b,
             o.fedbuff_weighting) == ("mix", 1.0, 0.6, "polynomial", 10.0, 4.0, "samples")
 
 
 @pytest.mark.parametrize("key,value,needle", [
-    ("async_policy", "bogus", "mix"),
+    ("server_rule", "bogus", "mix"),
     ("staleness_function", "exponential", "hinge"),
     ("fedasync_alpha", 1.5, "1"),
     ("fedasync_alpha", 0.0, "0"),
@@ -302,5 +302,17 @@ def test_bad_option_values_name_the_key(key, value, needle):
 def test_server_lr_above_one_only_with_fedbuff():
     issue = _issues({"algorithm": {"name": "fedlsa", "server_lr": 2.0}, "model": {"group": "HtFE1"}})["algorithm.server_lr"]
     assert issue.value == 2.0 and "fedbuff" in issue.allowed
-    ok = build_config({"algorithm": {"name": "fedsc", "server_lr": 2.0, "async_policy": "fedbuff"}, "model": {"group": "HtFE1"}})
+    ok = build_config({"algorithm": {"name": "fedsc", "server_lr": 2.0, "server_rule": "fedbuff"}, "model": {"group": "HtFE1"}})
     assert ok.algorithm_options().server_lr == 2.0
+
+
+@pytest.mark.parametrize("name", WEIGHT_SHARING)
+def test_the_old_key_async_policy_still_works_with_a_warning_and_both_names_at_once_are_refused(name):
+    # issue 37: the server-side weighting rules are algorithm.server_rule; "policy" is the federation's
+    base = {"name": name}
+    with pytest.warns(FutureWarning, match="algorithm.async_policy is now algorithm.server_rule"):
+        cfg = build_config({"algorithm": {**base, "async_policy": "fedasync"}, "model": {"group": "HtFE1"}})
+    assert cfg.algorithm_options().server_rule == "fedasync" and "async_policy" not in cfg.to_yaml()
+    issue = _issues({"algorithm": {**base, "async_policy": "fedbuff", "server_rule": "mix"},
+                     "model": {"group": "HtFE1"}})["algorithm.server_rule"]
+    assert "async_policy='fedbuff'" in repr(issue.value) and "old name of server_rule" in issue.allowed
