@@ -2,26 +2,68 @@
 
 :class:`~rayfed_proto.runtime.scheduler.Scheduler` runs the happy path (dispatch, submit, step,
 evaluate); whatever interrupts it is here, so that the loop reads alone. :class:`Recovery` works
-on the scheduler's in-flight table and actor handles (it is part of the scheduler, not a client
-of it): a dead client actor is recreated from the last checkpoint of its clients, a dead server
-from the last checkpoint, and the work lost with them is counted, never silently redone. A drain
-(a checkpoint due, or a stop requested by a signal or ``faults.stop_at_version``) takes no new
-work, lets the running work finish, and checkpoints at the quiet point.
+the federation through a narrow :class:`RecoveryPort` that the scheduler implements (as policies
+do through :class:`~rayfed_proto.runtime.policies.Port`): a dead client actor is recreated from
+the last checkpoint of its clients, a dead server from the last checkpoint, and the work lost with
+them is counted, never silently redone. A drain (a checkpoint due, or a stop requested by a signal
+or ``faults.stop_at_version``) takes no new work, lets the running work finish, and checkpoints at
+the quiet point. No Ray calls here (only its error type): recovery is tested with a fake port.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional, Protocol
 
-import ray
 from ray.exceptions import RayActorError
 
-from rayfed_proto.runtime.actors import RemoteStates
 from rayfed_proto.runtime.policies import Pending
 
 log = logging.getLogger("rayfed_proto")
+
+
+class RecoveryPort(Protocol):
+    """What recovery may do to the federation; the scheduler implements it."""
+
+    version: int  # the newest version the driver knows
+
+    # a client actor died
+    def count_client_failure(self) -> None: ...  # one more client actor death noticed
+    def clients_on(self, actor: int) -> list[int]: ...  # the clients a worker hosts
+    def exclude(self, client: int) -> bool: ...  # out of sampling for good; False: it already was
+    def drop_in_flight_on(self, actor: int) -> list[Pending]: ...  # its queued updates and evaluations, out of the table
+    def restart_client_actor(self, actor: int) -> bool: ...  # recreate it (its clients' last checkpoint); False: no restart configured
+    def update_lost(self, p: Pending) -> None: ...  # a local update lost with its actor: counted, the policy told
+    def eval_part_lost(self, version: int) -> None: ...  # one worker's part of an evaluation lost with it
+
+    # the server died
+    def count_server_restart(self) -> int: ...  # one more; the run's total so far
+    def updates_at_server(self) -> int: ...  # updates the server holds that a restart loses
+    def updates_in_flight(self) -> list[Any]: ...  # the update refs of the local updates running now
+    def restart_server(self) -> Optional[int]: ...  # recreate it; the version it restored (None: no restart configured)
+    def lost_at_server(self, n: int) -> None: ...  # count updates lost with the server
+    def rewind_to(self, version: int) -> None: ...  # back to the restored version: the dead server's work dropped
+
+    # checkpoints
+    def can_checkpoint(self) -> bool: ...  # a checkpoint writer is configured
+    def snapshot_server(self) -> Any: ...  # raises RayActorError if the server is dead
+    def client_actors(self) -> int: ...  # how many workers there are
+    def snapshot_client_actor(self, actor: int) -> Any: ...  # raises RayActorError if it is dead
+    def write_checkpoint(self, server_snap: Any, actor_snaps: list) -> bool: ...  # at ``version``; True: written
+    def count_checkpoint(self, written: bool) -> None: ...  # a checkpoint written, or one that failed
+    def training(self) -> int: ...  # local updates in flight (real)
+
+
+class RecoveryLimits(Protocol):
+    """What recovery reads of the run's limits (:class:`~rayfed_proto.runtime.scheduler.Limits`)."""
+
+    rounds: int
+    checkpoint_every: int
+    max_client_failures: int
+    max_server_failures: int
+    drain_timeout_s: float
+    stop_at_version: Optional[int]
 
 
 class StopRequested(Exception):
@@ -33,8 +75,8 @@ class StopRequested(Exception):
 
 
 class Recovery:
-    def __init__(self, scheduler, last_checkpoint: int):
-        self.s = scheduler
+    def __init__(self, port: RecoveryPort, limits: RecoveryLimits, last_checkpoint: int):
+        self.port, self.limits = port, limits
         self.failures: dict[int, int] = {}  # client -> actor deaths while it had work in flight
         self.orphans: set = set()  # update refs trained against a server that died
         self.checkpoint_due = False  # drain, then checkpoint; sync checkpoints at round ends
@@ -48,67 +90,52 @@ class Recovery:
         None): the work in flight on it is lost, it is recreated (from the last checkpoint of its
         clients, or re-initialised), and each client it hosts has one more failure; a client over
         ``max_client_failures`` is excluded from sampling instead of failing the run."""
-        s, limit = self.s, self.s.limits.max_client_failures
-        s.stats.client_failures += 1
-        log.warning("client actor %d (clients %s) died: %s", a, s.actor_clients[a], type(err).__name__)
-        for c in s.actor_clients[a]:
+        port, limit = self.port, self.limits.max_client_failures
+        port.count_client_failure()
+        clients = port.clients_on(a)
+        log.warning("client actor %d (clients %s) died: %s", a, clients, type(err).__name__)
+        for c in clients:
             self.failures[c] = self.failures.get(c, 0) + 1
-            if self.failures[c] > limit and c not in s.stats.excluded:
-                s.stats.excluded.append(c)
+            if self.failures[c] > limit and port.exclude(c):
                 log.warning("client %d failed %d times (limit reliability.max_client_failures=%d): excluded from "
                             "sampling", c, self.failures[c], limit)
-                s.policy.exclude(c)
-        # every other call queued on the dead actor fails too: drop them here, once per death
-        queued = [s.inflight.pop(r) for r, q in list(s.inflight.items()) if q.actor == a and q.kind in ("train", "eval")]
-        if s.hooks.restart_client_actor is None:
+        queued = port.drop_in_flight_on(a)  # every other call queued on the dead actor fails too: once per death
+        if not port.restart_client_actor(a):
             raise RuntimeError(f"client actor {a} died and no restart is configured") from err
-        s.actors[a] = s.hooks.restart_client_actor(a)
-        s.evals.actor_restarted(ray.get(s.actors[a].update_counts.remote()))
-        s.progress.pause()  # the restart's time is not a stall
         for q in ([lost] if lost is not None else []) + queued:
             if q.kind == "train":
                 self.lose_update(q)
             else:
-                s.evals.part_lost(q.version)
+                port.eval_part_lost(q.version)
 
     def orphaned(self, update_ref) -> bool:
         """An update trained against a server that has since died: counted lost (once)."""
         if update_ref not in self.orphans:
             return False
         self.orphans.discard(update_ref)
-        self.s.stats.updates_lost_server += 1
+        self.port.lost_at_server(1)
         return True
 
     def lose_update(self, p: Pending) -> None:
         if not self.orphaned(p.update_ref):  # an orphan's round was abandoned with its server
-            self.s.stats.updates_lost_client += 1
-            self.s.policy.on_lost(p)
+            self.port.update_lost(p)
 
     def server_died(self, err: BaseException) -> None:
         """The server actor died: recreate it from the last checkpoint (or from scratch) and carry
         on from its version. Updates in flight or buffered are counted as lost, not re-requested:
         the versions after the checkpoint are recomputed from fresh client work."""
-        s, limit = self.s, self.s.limits.max_server_failures
-        s.stats.server_restarts += 1
-        if s.stats.server_restarts > limit or s.hooks.restart_server is None:
-            raise RuntimeError(f"server actor died ({s.stats.server_restarts} times; limit "
+        port, limit = self.port, self.limits.max_server_failures
+        restarts = port.count_server_restart()
+        at_server, in_flight, was = port.updates_at_server(), port.updates_in_flight(), port.version
+        restored = port.restart_server() if restarts <= limit else None
+        if restored is None:
+            raise RuntimeError(f"server actor died ({restarts} times; limit "
                                f"reliability.max_server_failures={limit})") from err
-        at_server, in_flight = s.policy.at_server(), [p for p in s.inflight.values() if p.kind == "train"]
-        s.server, restored = s.hooks.restart_server()
-        s.progress.pause()
         log.warning("server actor died (%s); recreated at version %d (was %d); %d updates lost at the server, "
-                    "%d in flight", type(err).__name__, restored, s.version, at_server, len(in_flight))
-        s.stats.updates_lost_server += at_server
-        s.stats.versions_redone += max(0, s.version - restored)
-        self.orphans.update(p.update_ref for p in in_flight)
-        s.version, s.global_ref = restored, s.server.global_state.remote()
-        for ref, p in list(s.inflight.items()):
-            # the dead server's receipts and waits, and evaluations of versions that no longer exist
-            if p.kind in ("receipt", "step", "versions") or (p.kind == "eval" and p.version > restored):
-                del s.inflight[ref]
-                s.evals.handed(p.client, p.update_no, restored, p.ticket)  # the client's state moved on
-        s.policy.server_restarted(restored)
-        s.evals.server_restarted(restored)
+                    "%d in flight", type(err).__name__, restored, was, at_server, len(in_flight))
+        port.lost_at_server(at_server)
+        self.orphans.update(in_flight)
+        port.rewind_to(restored)  # the versions after it are redone
 
     # ---------------------------------------------------------------------------- drains, checkpoints, stops
     def draining(self) -> bool:
@@ -120,11 +147,11 @@ class Recovery:
         if self.stop_reason is None:
             self.stop_reason = reason
             log.warning("%s: finishing the running updates, then checkpointing (up to %.0f s)", reason,
-                        self.s.limits.drain_timeout_s)
+                        self.limits.drain_timeout_s)
 
     def on_version(self, version: int) -> None:
         """A checkpoint every ``checkpoint_every`` versions; ``faults.stop_at_version``."""
-        limits = self.s.limits
+        limits = self.limits
         if limits.checkpoint_every and version % limits.checkpoint_every == 0 and version < limits.rounds:
             self.checkpoint_due = True
         if limits.stop_at_version is not None and version >= limits.stop_at_version:
@@ -133,55 +160,49 @@ class Recovery:
     def checkpoint(self) -> None:
         """Snapshot the server and every client actor (at a quiet point) and hand them to
         ``on_checkpoint``. An actor found dead here is handled like any other death first."""
-        s = self.s
+        port = self.port
         self.checkpoint_due, self.drain_since = False, None
-        if s.hooks.on_checkpoint is None or self.last_checkpoint == s.version:
+        if not port.can_checkpoint() or self.last_checkpoint == port.version:
             return
         try:
-            server_snap = ray.get(s.server.snapshot.remote())
+            server_snap = port.snapshot_server()
         except RayActorError as err:  # restored from the previous checkpoint: nothing new to save
             self.server_died(err)
             return
         actor_snaps = []
-        for a in range(len(s.actors)):
+        for a in range(port.client_actors()):
             try:
-                actor_snaps.append(self._client_snapshot(a))
+                actor_snaps.append(port.snapshot_client_actor(a))
             except RayActorError as err:  # recreated from the previous checkpoint: that is its state now
                 self.client_actor_died(a, None, err)
-                actor_snaps.append(self._client_snapshot(a))
+                actor_snaps.append(port.snapshot_client_actor(a))
         try:
-            written = s.hooks.on_checkpoint(s.version, server_snap, actor_snaps)
+            written = port.write_checkpoint(server_snap, actor_snaps)
         except RayActorError as err:  # died while its states were fetched: this checkpoint is not written
             a = getattr(err, "actor_index", None)
             if a is None:
                 raise
             log.warning("client actor %d died while checkpoint %d was written; the previous checkpoint stands", a,
-                        s.version)
+                        port.version)
             self.client_actor_died(a, None, err)
             written = False
         if written:
-            self.last_checkpoint = s.version
-            s.stats.checkpoints += 1
-        else:  # retried and failed: the previous checkpoint stands; the next one due (or the end's) tries again
-            s.stats.checkpoints_failed += 1
-
-    def _client_snapshot(self, a: int):
-        """(worker ``a``'s client states, fetched in chunks as the checkpoint writes them, its RNG)."""
-        clients, rng = ray.get(self.s.actors[a].snapshot.remote())
-        return RemoteStates(self.s.actors[a], clients, a), rng
+            self.last_checkpoint = port.version
+        # failed after retries: the previous checkpoint stands; the next one due (or the end's) tries again
+        port.count_checkpoint(bool(written))
 
     def check_drain_timeout(self) -> None:
         if not self.draining():
             return
-        timeout = self.s.limits.drain_timeout_s
+        timeout = self.limits.drain_timeout_s
         if self.drain_since is None:
             self.drain_since = time.perf_counter()
         elif time.perf_counter() - self.drain_since > timeout:
-            in_flight, self.drain_since = self.s.training(), None
+            in_flight, self.drain_since = self.port.training(), None
             if self.stop_reason is not None:
                 log.warning("%d updates still running after reliability.drain_timeout_s=%.0f s: abandoned; the last "
                             "periodic checkpoint is the resume point", in_flight, timeout)
                 raise StopRequested(self.stop_reason + " (drain timed out)", self.last_checkpoint)
             log.warning("checkpoint at version %d skipped: %d updates still running after %.0f s",
-                        self.s.version, in_flight, timeout)
+                        self.port.version, in_flight, timeout)
             self.checkpoint_due = False

@@ -34,6 +34,7 @@ import numpy as np
 import ray
 from ray.exceptions import RayActorError
 
+from rayfed_proto.runtime.actors import RemoteStates
 from rayfed_proto.runtime.evaluations import Evaluations
 from rayfed_proto.runtime.policies import FederationPolicy, Pending
 from rayfed_proto.runtime.recovery import Recovery, StopRequested
@@ -127,7 +128,7 @@ class Scheduler:
         self.batch_clients = batch_clients  # resources.batch_clients on/auto: dispatch_group sends a worker's clients at once
         self.actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
         self.stats = SchedulerStats()
-        self.recovery = Recovery(self, last_checkpoint=limits.start_version if limits.start_version > 0 else -1)
+        self.recovery = Recovery(self, limits, last_checkpoint=limits.start_version if limits.start_version > 0 else -1)
         self.started = time.perf_counter()  # wall time counts from here (minus a resumed run's earlier time)
         self.version = limits.start_version
         self.global_ref = server.global_state.remote()
@@ -477,3 +478,95 @@ class Scheduler:
         self.policy.load_state_dict(state.get("policy", {}), ray.put)
         if "evaluations" in state:  # checkpoints from before the evaluation invariant: the clients' states now
             self.evals.load_state_dict(state["evaluations"])
+
+    # ---------------------------------------------------------------------------- the recovery port (recovery.RecoveryPort)
+    # with ``version``, ``training`` and ``lost_at_server`` above: all that Recovery may do here
+    def count_client_failure(self) -> None:
+        self.stats.client_failures += 1
+
+    def clients_on(self, actor: int) -> list[int]:
+        return self.actor_clients[actor]
+
+    def exclude(self, client: int) -> bool:
+        """Take ``client`` out of sampling for good (listed in ``stats.excluded``); False: it already was."""
+        if client in self.stats.excluded:
+            return False
+        self.stats.excluded.append(client)
+        self.policy.exclude(client)
+        return True
+
+    def drop_in_flight_on(self, actor: int) -> list[Pending]:
+        """The local updates and evaluations queued on ``actor``, taken out of the table (they died with it)."""
+        return [self.inflight.pop(r) for r, q in list(self.inflight.items())
+                if q.actor == actor and q.kind in ("train", "eval")]
+
+    def restart_client_actor(self, actor: int) -> bool:
+        """Recreate ``actor`` in place (``fleet.handles`` shares the list); its clients' states are
+        those it restored. False: no restart is configured."""
+        if self.hooks.restart_client_actor is None:
+            return False
+        self.actors[actor] = self.hooks.restart_client_actor(actor)
+        self.evals.actor_restarted(ray.get(self.actors[actor].update_counts.remote()))
+        self.progress.pause()  # the restart's time is not a stall
+        return True
+
+    def update_lost(self, p: Pending) -> None:
+        self.stats.updates_lost_client += 1
+        self.policy.on_lost(p)
+
+    def eval_part_lost(self, version: int) -> None:
+        self.evals.part_lost(version)
+
+    def count_server_restart(self) -> int:
+        self.stats.server_restarts += 1
+        return self.stats.server_restarts
+
+    def updates_at_server(self) -> int:
+        return self.policy.at_server()
+
+    def updates_in_flight(self) -> list[Any]:
+        return [p.update_ref for p in self.inflight.values() if p.kind == "train"]
+
+    def restart_server(self) -> Optional[int]:
+        """Recreate the server (from the last checkpoint, or from scratch); the version it restored.
+        None: no restart is configured."""
+        if self.hooks.restart_server is None:
+            return None
+        self.server, restored = self.hooks.restart_server()
+        self.progress.pause()
+        return restored
+
+    def rewind_to(self, restored: int) -> None:
+        """The server went back to ``restored``: the versions after it are redone (counted); the dead
+        server's receipts and waits, and evaluations of versions that no longer exist, are dropped."""
+        self.stats.versions_redone += max(0, self.version - restored)
+        self.version, self.global_ref = restored, self.server.global_state.remote()
+        for ref, p in list(self.inflight.items()):
+            if p.kind in ("receipt", "step", "versions") or (p.kind == "eval" and p.version > restored):
+                del self.inflight[ref]
+                self.evals.handed(p.client, p.update_no, restored, p.ticket)  # the client's state moved on
+        self.policy.server_restarted(restored)
+        self.evals.server_restarted(restored)
+
+    def can_checkpoint(self) -> bool:
+        return self.hooks.on_checkpoint is not None
+
+    def snapshot_server(self) -> Any:
+        return ray.get(self.server.snapshot.remote())
+
+    def client_actors(self) -> int:
+        return len(self.actors)
+
+    def snapshot_client_actor(self, actor: int) -> tuple:
+        """(worker ``actor``'s client states, fetched in chunks as the checkpoint writes them, its RNG)."""
+        clients, rng = ray.get(self.actors[actor].snapshot.remote())
+        return RemoteStates(self.actors[actor], clients, actor), rng
+
+    def write_checkpoint(self, server_snap: Any, actor_snaps: list) -> bool:
+        return self.hooks.on_checkpoint(self.version, server_snap, actor_snaps)
+
+    def count_checkpoint(self, written: bool) -> None:
+        if written:
+            self.stats.checkpoints += 1
+        else:
+            self.stats.checkpoints_failed += 1
