@@ -67,9 +67,9 @@ class Registry(Generic[T]):
         return iter(self.names())
 
 
-PLUGIN_GROUPS = ("rayfed_proto.algorithms", "rayfed_proto.datasets", "rayfed_proto.models")
-"""The entry-point groups whose modules register algorithms, dataset loaders, and
-architectures / model groups."""
+PLUGIN_GROUPS = ("rayfed_proto.algorithms", "rayfed_proto.datasets", "rayfed_proto.models", "rayfed_proto.policies")
+"""The entry-point groups whose modules register algorithms, dataset loaders, architectures /
+model groups, and federation policies (``federation.mode``)."""
 
 
 def load_plugins(group: str, kind: str) -> list[str]:

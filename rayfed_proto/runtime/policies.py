@@ -23,7 +23,9 @@ branches on the mode: the config, the resource planners and the driver ask the r
 Adding a policy: subclass :class:`BasePolicy` (the methods of :class:`FederationPolicy`, and the
 class methods it overrides) and register it, ``@POLICIES.register("round_robin")``, in any module
 imported before the config is built (tests/integration/test_policy_registry.py defines one in the
-test module and runs it); docs/architecture.md walks through one.
+test module and runs it), or in a package's module declared as an entry point of group
+``rayfed_proto.policies`` (loaded at the end of this module, so CLI and Tune processes see it
+too); docs/architecture.md walks through one.
 No Ray here: policies are tested with a fake port.
 """
 
@@ -36,7 +38,7 @@ from typing import Any, Optional, Protocol
 
 import numpy as np
 
-from rayfed_proto.registry import Registry
+from rayfed_proto.registry import Registry, load_plugins
 from rayfed_proto.runtime.simclock import SimEntry, VirtualClock
 
 
@@ -651,3 +653,5 @@ class VirtualAsync(_Buffered):
         self.step_done = state.get("step_done")
         self.uploaders = {int(c) for c in state.get("uploaders", [])}
 
+
+load_plugins("rayfed_proto.policies", "federation policy")  # after the built-ins: a plug-in module registers its own

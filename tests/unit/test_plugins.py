@@ -60,7 +60,7 @@ def last_json(proc: subprocess.CompletedProcess) -> dict:
 
 def test_example_package_declares_both_groups():
     eps = example_entry_points()
-    assert set(eps) == {"rayfed_proto.models", "rayfed_proto.datasets"} <= set(PLUGIN_GROUPS)
+    assert set(eps) == {"rayfed_proto.models", "rayfed_proto.datasets", "rayfed_proto.policies"} <= set(PLUGIN_GROUPS)
     for modules in eps.values():
         for module in modules.values():
             assert (EXAMPLE / (module.replace(".", "/") + ".py")).is_file()
@@ -80,7 +80,10 @@ def test_plugin_dataset_and_model_group_run_in_a_fresh_process(tmp_path):
 
         cfg = build_config({"data": {"name": "plugin_stripes", "image_size": 8, "partition": {"name": "natural"}},
                             "model": {"group": "plugin_tiny", "feature_dim": 16},
-                            "federation": {"num_clients": 4}})
+                            "federation": {"num_clients": 4, "mode": "plugin_round_robin", "participation": 0.5}})
+        from rayfed_proto.runtime.policies import make_policy
+
+        policy = type(make_policy(cfg.federation, None, seed=0, real_slots=1)).__name__
         ds = load_dataset(cfg.data, cfg.seed)
         part = make_partition(ds, cfg.data.partition, cfg.federation.num_clients, cfg.seed)
         archs, outputs = [], []
@@ -97,7 +100,7 @@ def test_plugin_dataset_and_model_group_run_in_a_fresh_process(tmp_path):
             "datasets": DATASETS.names(), "groups": MODEL_GROUPS.names(), "archs": ARCHITECTURES.names(),
             "group": MODEL_GROUPS.get("plugin_tiny"), "shape": list(ds.images.shape),
             "class_names": ds.class_names, "clients": len(part.clients), "client_archs": archs,
-            "outputs": outputs, "listed": out.getvalue(),
+            "outputs": outputs, "listed": out.getvalue(), "policy": policy,
             "warnings": [str(w.message) for w in caught if "plug-in" in str(w.message)],
         }))
     """, tmp_path, EXAMPLE)
@@ -110,6 +113,7 @@ def test_plugin_dataset_and_model_group_run_in_a_fresh_process(tmp_path):
     assert got["shape"] == [64, 1, 8, 8] and got["class_names"] == ["horizontal", "vertical"]
     assert got["clients"] == 4  # the plug-in's client_ids, through the natural partitioner
     assert got["client_archs"] == ["plugin_tiny_mlp", "mlp"] and got["outputs"] == [[5, 2], [5, 2]]
+    assert got["policy"] == "RoundRobin"  # federation.mode from the plug-in's policy, in a process that imported only the package
     for name in ("plugin_stripes", "plugin_tiny", "plugin_tiny_mlp"):
         assert name in got["listed"]  # rayfed-proto list
 
@@ -185,7 +189,7 @@ def test_a_broken_plugin_warns_and_the_builtins_and_other_plugins_stay(tmp_path)
 
 def test_load_plugins_refuses_an_unknown_group():
     with pytest.raises(ValueError, match="plug-in group 'rayfed_proto.dataset': one of rayfed_proto.algorithms, "
-                                         "rayfed_proto.datasets, rayfed_proto.models"):
+                                         "rayfed_proto.datasets, rayfed_proto.models, rayfed_proto.policies"):
         load_plugins("rayfed_proto.dataset", "dataset")
     from importlib.metadata import entry_points
 
