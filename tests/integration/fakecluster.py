@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -41,9 +42,26 @@ def node_ip() -> str:
     return ray._private.services.get_node_ip_address()
 
 
-def kill_cluster_processes(markers: list[str], timeout: float = 15.0) -> int:
+def _gone(p: psutil.Process) -> bool:
+    """Exited, or a zombie waiting for its parent (``ray start`` exited: pid 1) to reap it: a zombie's pid
+    still exists, so psutil.wait_procs would wait the whole timeout for it."""
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def kill_cluster_processes(markers: list[str], timeout: float = 15.0, gcs_grace_s: float = 2.0) -> int:
     """Kill (by pid) every process whose command line contains one of ``markers`` (this cluster's
-    GCS address, its temp dir): never by name, so other Ray instances are left alone."""
+    GCS address, its temp dir): never by name, so other Ray instances are left alone.
+
+    SIGTERM in three waves, each waited for: the head's helpers (autoscaler monitor, dashboard,
+    agents, workers), then the raylets, then the GCS. Sent all at once, the raylets and the GCS
+    (and the monitor) could outlive the whole timeout; in this order each wave ends within about a
+    second. The GCS of a head whose autoscaler had launched nodes sometimes ignores its SIGTERM
+    (it then sat out the whole 15 s, once per autoscaling test): it gets ``gcs_grace_s``, then
+    SIGKILL (the cluster's temp dir is deleted next; nothing of it is kept). Whatever else is left
+    when ``timeout`` runs out is killed too."""
     me = os.getpid()
     victims = []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -52,18 +70,25 @@ def kill_cluster_processes(markers: list[str], timeout: float = 15.0) -> int:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if p.pid != me and any(m in cmd for m in markers):
-            victims.append(p)
-    for p in victims:
-        try:
-            p.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=timeout)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+            exe = cmd.split(" ", 1)[0]
+            victims.append((2 if exe.endswith("/gcs_server") else 1 if exe.endswith("/raylet") else 0, p))
+    deadline = time.monotonic() + timeout
+    for wave in (0, 1, 2):
+        procs = [p for w, p in victims if w == wave]
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+        until = min(deadline, time.monotonic() + gcs_grace_s) if wave == 2 else deadline
+        while not all(_gone(p) for p in procs) and time.monotonic() < until:
+            time.sleep(0.05)
+    for _, p in victims:
+        if not _gone(p):
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
     return len(victims)
 
 
