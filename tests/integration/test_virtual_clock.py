@@ -31,13 +31,30 @@ def _comparable(history):
     return [{k: ("nan" if isinstance(h.get(k), float) and math.isnan(h[k]) else h.get(k)) for k in KEYS} for h in history]
 
 
-def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(ray_session, tracking):
-    _, track = tracking
-    runs = {per: run_experiment(build_config({}, VIRTUAL + track + [f"resources.clients_per_actor={per}"]), **QUIET)
-            for per in ("8", "auto", "2")}
+@pytest.fixture(scope="module")
+def async_runs(ray_session, tmp_path_factory):
+    """The uninterrupted asynchronous VIRTUAL runs, each run once for the module (a run is mostly
+    its actors' start-up): ``async_runs(per)`` is the run with ``resources.clients_per_actor=per``
+    (``extra``: further overrides). The slots test compares three layouts and a sampled
+    evaluation; the stop-and-resume test compares its resumed run with the ``auto`` one, the
+    very config it would otherwise run again."""
+    root = tmp_path_factory.mktemp("virtual_clock_async")
+    track = [f"tracking.tracking_uri=sqlite:///{root / 'mlflow.db'}", f"tracking.output_dir={root / 'runs'}"]
+    done = {}
+
+    def get(per: str, *extra: str):
+        if (per, extra) not in done:
+            done[per, extra] = run_experiment(
+                build_config({}, VIRTUAL + track + [f"resources.clients_per_actor={per}", *extra]), **QUIET)
+        return done[per, extra]
+
+    return get
+
+
+def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(ray_session, async_runs):
+    runs = {per: async_runs(per) for per in ("8", "auto", "2")}
     # issue 39 item 2: evaluating a fixed sample of 3 clients never changes training
-    sampled = run_experiment(build_config({}, VIRTUAL + track + ["resources.clients_per_actor=2",
-                                                                  "federation.eval_clients=3"]), **QUIET)
+    sampled = async_runs("2", "federation.eval_clients=3")
     assert [runs[p].resource_plan["num_actors"] for p in ("8", "auto", "2")] == [1, 2, 4]
     reference = _comparable(runs["8"].history)
     assert len(reference) == 7 and reference[-1][names.EVAL_HEAD_ACC] > 0
@@ -63,10 +80,12 @@ def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(r
     assert len(listed) == 3 and sampled.history[-1][names.EVAL_HEAD_ACC] != reference[-1][names.EVAL_HEAD_ACC]
 
 
-def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_session, tracking, tmp_path):
+def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_session, async_runs, tracking, tmp_path):
     uri, track = tracking
     common = VIRTUAL + track + ["resources.clients_per_actor=auto"]
-    straight = run_experiment(build_config({}, common), **QUIET)  # no checkpoint at all; every client live
+    # the same config run straight through (the slots test's "auto" run): no checkpoint before its
+    # end, no stop; every client live
+    straight = async_runs("auto")
     # the interrupted run parks idle clients on disk (issue 28: 10,000 clients), so this also checks
     # that parked states, and the earlier states kept for evaluations, go through a checkpoint exactly
     disk = ["resources.park_idle_clients=true", "resources.park_to=disk", f"resources.park_dir={tmp_path}"]
