@@ -13,10 +13,18 @@ port, stopped at the end) and renders each page with Debian's ``chromium`` packa
 
 The UI is a single-page app that draws after its API calls return and loads its charts lazily, so
 a plain ``chromium --screenshot`` catches spinners. With Playwright installed (``pip install
-playwright``; it drives the system Chromium, no browser download) each page is opened, the
-MLflow Assistant side panel is closed, a chart filter is typed where asked, and the screenshot is
-taken ``--wait`` seconds after the page's tabs appear. Without Playwright the script falls back
-to ``chromium --headless --screenshot`` with a virtual-time budget (charts may still be loading).
+playwright``; it drives the system Chromium, no browser download) each page is opened by the
+link ``rayfed-proto ui`` prints (``?workflowType=machine_learning``: the "Model training" view),
+a chart filter is typed where asked, and the screenshot is taken ``--wait`` seconds after the
+page's tabs appear. Pop-ups are kept out of the pictures: MLflow 3.17 opens its Assistant side
+panel on a browser's first visit to a local server (local storage
+``mlflow.assistant.fab.autoOpenedOnFirstLoad_v1``), and a fresh browser context is a first visit;
+so every page starts with the UI's "already shown / dismissed" keys set (Assistant, Detect
+Issues and Flag for Review guidance, the model-registry promotion, the MySQL banner), and
+anything marked ``data-assistant-ui`` (the panel, its floating button) is hidden by a style
+sheet. The workflow type is *not* stored: the view comes from the link alone, as a user gets it.
+Without Playwright the script falls back to ``chromium --headless --screenshot`` with a
+virtual-time budget (charts may still be loading; the Assistant panel may be open).
 """
 
 from __future__ import annotations
@@ -36,6 +44,16 @@ from pathlib import Path
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars",
                   "--disable-dev-shm-usage"]
+
+# MLflow 3.17's local-storage flags (``<key>_v<version>``, JSON values) that say a pop-up was already
+# shown or dismissed; set before the app's own scripts run, on every page
+DISMISSED = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True, "mlflow.assistant.panelOpen_v1": False,
+             "mlflow.detectIssues.guidanceShown_v1": True, "mlflow.flagForReview.guidanceShown_v1": True,
+             "_mlflow_model_registry_promo_modal_dismissed_v1": True, "mlflow.overview.mysqlBannerDismissed_v0": True}
+# the run list's "+" before a parent run (runs/cells/RunNameCellRenderer.tsx): shows its child runs
+EXPAND_RUNS = 'button[data-component-id*="runnamecellrenderer"]'
+# the Assistant's side panel and floating button, should either appear anyway
+HIDE_CSS = '[data-assistant-ui="true"] { display: none !important; }'
 
 
 def free_port() -> int:
@@ -89,35 +107,103 @@ class MlflowUi:
         self.log.close()
 
 
-def screenshot_playwright(browser, url: str, out: Path, width: int, height: int, wait_s: float,
-                          search: str | None = None, click: str | None = None) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
+def new_page(browser, width: int, height: int):
+    """A page in a fresh browser context whose local storage already says every pop-up was seen."""
+    import json
+
     page = browser.new_page(viewport={"width": width, "height": height})
+    flags = json.dumps({k: json.dumps(v) for k, v in DISMISSED.items()})
+    page.add_init_script("(() => { try { const kv = " + flags + ";"
+                         " for (const k in kv) window.localStorage.setItem(k, kv[k]); } catch (e) {} })();")
+    return page
+
+
+def hide_popups(page) -> None:
+    """Hide the Assistant (style sheet; survives re-renders) and close whatever dialog is open."""
+    try:
+        page.add_style_tag(content=HIDE_CSS)
+    except Exception:
+        pass
+    try:
+        if page.get_by_role("dialog").count():
+            page.keyboard.press("Escape")
+    except Exception:
+        pass
+
+
+def settle(page, timeout_ms: int = 60_000) -> None:
+    """Until the page's API calls are done (a filter typed, rows expanded)."""
+    try:
+        page.wait_for_load_state("networkidle", timeout=timeout_ms)
+    except Exception:
+        pass
+
+
+def widen_run_names(page, extra_px: int = 160) -> None:
+    """A runs list's "Run Name" column, wider by ``extra_px`` (its edge dragged in small steps, as the
+    grid follows a hand): its default width cuts names such as ``seed=0 fedproto digits`` short.
+    Nothing on pages without that column."""
+    edge = page.locator('.ag-header-cell[col-id="attributes.`Run Name`"] .ag-header-cell-resize')
+    try:
+        if not edge.count():
+            return
+        edge.first.hover(timeout=10_000)
+        box = edge.first.bounding_box()
+        x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        page.mouse.down()
+        for dx in range(10, extra_px + 1, 10):
+            page.mouse.move(x + dx, y)
+            time.sleep(0.05)
+        page.mouse.up()
+    except Exception:
+        pass
+    finally:
+        page.mouse.move(page.viewport_size["width"] - 3, 3, steps=10)  # off the headers: no tooltip left open
+
+
+def screenshot_playwright(browser, url: str, out: Path, width: int, height: int, wait_s: float,
+                          search: str | None = None, click: str | None = None, expect: str | None = None) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page = new_page(browser, width, height)
     try:
         page.goto(url, timeout=180_000)
-        try:  # a run page is drawn once its tabs are; pages without tabs get the plain wait below
-            page.get_by_role("tab").first.wait_for(timeout=90_000)
+        hide_popups(page)
+        try:  # a run page is drawn once its tabs are; a runs or models list once its table is
+            page.locator('[role="tab"], [role="grid"], [role="table"], table').first.wait_for(timeout=90_000)
         except Exception:
-            pass
-        close = page.get_by_role("button", name="Close")  # the MLflow Assistant side panel
-        try:
-            if close.count():
-                close.first.click(timeout=10_000)
-        except Exception:  # drawn but not clickable yet (a loaded machine): the page is taken with it
             pass
         if search:
             box = page.get_by_placeholder(re.compile("search", re.I))
             box = box.first if box.count() else page.locator("input[placeholder]").first  # the run list filter
             box.fill(search)
             box.press("Enter")
-        if click:  # e.g. "Expand rows": show a sweep's child runs under their parent
-            target = page.get_by_text(click, exact=True)
+            settle(page)
+        if click:  # every element `click` selects, in order: e.g. each parent run's "+" (EXPAND_RUNS)
+            target = page.locator(click)
             try:
                 target.first.wait_for(timeout=60_000)
-                target.first.click()
+                for i in range(target.count()):  # child rows come after their parent and have no "+" of their own
+                    target.nth(i).click(timeout=30_000)
+                settle(page)
             except Exception:
-                print(f"  ({click!r} not found on {url})")
+                print(f"  ({click!r} not found or not clickable on {url})")
+        if expect:  # e.g. the first child run's name: the expanded rows are drawn
+            try:
+                page.get_by_text(re.compile(expect)).first.wait_for(timeout=120_000)
+            except Exception:
+                print(f"  ({expect!r} not drawn on {url})")
+        widen_run_names(page)
         time.sleep(wait_s)  # API calls and lazily drawn charts
+        hide_popups(page)
+        try:  # no focus ring or hover highlight left on what was typed into or clicked
+            page.evaluate("() => document.activeElement && document.activeElement.blur()")
+            page.mouse.move(page.viewport_size["width"] - 3, 3, steps=10)
+        except Exception:
+            pass
+        if "workflowType=machine_learning" not in page.url:
+            print(f"  (the page left the model-training link: {page.url})")
+        if page.get_by_text("MLflow Assistant").first.is_visible():
+            print(f"  (the MLflow Assistant is still visible on {url})")
         page.screenshot(path=str(out), timeout=300_000)  # a page of charts on a loaded machine: minutes
     finally:
         page.close()
@@ -157,6 +243,16 @@ def demo(workdir: Path) -> tuple[str, str, str, str | None, str | None]:
             "federation": {"mode": "sync", "num_clients": 4, "rounds": 6, "eval_every": 1},
             "tracking": {"experiment_name": "mlflow_ui_demo", "tracking_uri": uri, "output_dir": str(workdir / "runs"),
                          "system_metrics_interval_s": 1.0, "run_name": "fedproto-digits-4-clients"}}
+    # the experiments, made first with their artifacts under workdir: else a sqlite store puts them in
+    # ./mlruns of whichever process makes the experiment (the caller's folder, a Tune trial's)
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.tracking.compare import DEFAULT_EXPERIMENT_NAME
+
+    client = MlflowClient(uri)
+    for name in ("mlflow_ui_demo", "mlflow_ui_seeds", DEFAULT_EXPERIMENT_NAME):
+        if client.get_experiment_by_name(name) is None:
+            client.create_experiment(name, artifact_location=(workdir / "mlartifacts" / name).as_uri())
     ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, log_to_driver=False)
     try:
         result = run_experiment(build_config(base), progress=False, echo=print)
@@ -217,31 +313,43 @@ def main() -> int:
     client = MlflowClient(uri)
     exp = client.get_run(run_id).info.experiment_id
     out = Path(args.out)
-    # every link as `rayfed-proto ui` and the end of a run print it: the model-training view (tracking/links.py)
-    ml = "?workflowType=machine_learning"
-    run_page = f"#/experiments/{exp}/runs/{run_id}"
-    pages = [("experiment_runs", f"#/experiments/{exp}/runs{ml}", args.height - 400, None, None),
-             ("run_overview", f"{run_page}{ml}", args.height + 900, None, None),
-             ("run_model_metrics_opened", f"{run_page}/model-metrics{ml}", args.height + 300, None, None),
-             ("run_model_metrics", f"{run_page}/model-metrics{ml}", args.height + 300, "eval/", None),
-             ("run_client_heatmap", f"{run_page}/artifacts/plots/client_head_acc_heatmap.png{ml}", args.height - 300,
-              None, None),
-             ("run_system_metrics", f"{run_page}/system-metrics{ml}", args.height, None, None),
-             ("experiment_models", f"#/experiments/{exp}/models{ml}", args.height - 400, None, None)]
+    # every page by the link `rayfed-proto ui` and the end of a run print (tracking/links.py): the model-training
+    # view, `?workflowType=machine_learning`; a run's tab or artifact is its path before that query
+    from rayfed_proto.tracking.links import ML_VIEW, experiment_url, run_url
+
+    def run_link(experiment: str, run: str, tab: str = "") -> str:
+        return run_url("", experiment, run).replace("?", f"{tab}?", 1).lstrip("/")
+
+    def runs_link(experiment: str) -> str:
+        return experiment_url("", experiment).lstrip("/")
+
+    def first_child(experiment: str, parent: str) -> str | None:  # its name, drawn once the rows are expanded
+        runs = client.search_runs([experiment], f"tags.mlflow.parentRunId = '{parent}'", max_results=1)
+        return f"^{re.escape(runs[0].info.run_name)}$" if runs else None
+
+    # (name, route, height, chart/run filter to type, elements to click, text to wait for)
+    pages = [("experiment_runs", runs_link(exp), args.height - 400, None, None, None),
+             ("run_overview", run_link(exp, run_id), args.height + 900, None, None, None),
+             ("run_model_metrics_opened", run_link(exp, run_id, "/model-metrics"), args.height + 300, None, None, None),
+             ("run_model_metrics", run_link(exp, run_id, "/model-metrics"), args.height + 300, "eval/", None, None),
+             ("run_client_heatmap", run_link(exp, run_id, "/artifacts/plots/client_head_acc_heatmap.png"),
+              args.height - 300, None, None, None),
+             ("run_system_metrics", run_link(exp, run_id, "/system-metrics"), args.height, None, None, None),
+             ("experiment_models", f"#/experiments/{exp}/models?{ML_VIEW}", args.height - 400, None, None, None)]
     if parent_id:
         pexp = client.get_run(parent_id).info.experiment_id
-        pages += [("sweep_parent_run", f"#/experiments/{pexp}/runs/{parent_id}{ml}", args.height, None, None),
-                  ("sweep_runs", f"#/experiments/{pexp}/runs{ml}", args.height - 400,  # trial names end <sweep>-<id>
-                   f"attributes.run_name LIKE '%{client.get_run(parent_id).info.run_name}-%'", None)]
+        pages += [("sweep_parent_run", run_link(pexp, parent_id), args.height, None, None, None),
+                  ("sweep_runs", runs_link(pexp), args.height - 400,  # trial names end <sweep>-<id>
+                   f"attributes.run_name LIKE '%{client.get_run(parent_id).info.run_name}-%'", EXPAND_RUNS,
+                   first_child(pexp, parent_id))]
     if seeds_id:
         sexp = client.get_run(seeds_id).info.experiment_id
-        pages += [("seeds_runs", f"#/experiments/{sexp}/runs{ml}", args.height - 400, None, "Expand rows"),
-                  ("seeds_parent_metrics", f"#/experiments/{sexp}/runs/{seeds_id}/model-metrics{ml}", args.height, None,
-                   None)]
+        pages += [("seeds_runs", runs_link(sexp), args.height - 400, None, EXPAND_RUNS, first_child(sexp, seeds_id)),
+                  ("seeds_parent_metrics", run_link(sexp, seeds_id, "/model-metrics"), args.height, None, None, None)]
     if comparison_id:
         cexp = client.get_run(comparison_id).info.experiment_id
-        pages += [("compare_run_metrics", f"#/experiments/{cexp}/runs/{comparison_id}/model-metrics{ml}", args.height,
-                   None, None)]
+        pages += [("compare_run_metrics", run_link(cexp, comparison_id, "/model-metrics"), args.height, None, None,
+                   None)]
     if args.only:
         pages = [pg for pg in pages if pg[0] in args.only]
     try:
@@ -251,16 +359,16 @@ def main() -> int:
         print("playwright not installed: plain chromium --screenshot (charts may still be loading)")
     with MlflowUi(uri, workdir) as ui:
         if sync_playwright is None:
-            for name, route, height, _, _ in pages:
+            for name, route, height, *_ in pages:
                 screenshot(chromium, f"{ui.url}/{route}", out / f"{name}.png", args.width, height, args.wait,
                            workdir / "chromium-profile")
             return 0
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_FLAGS[1:])  # headless by default
             try:
-                for name, route, height, search, click in pages:
+                for name, route, height, search, click, expect in pages:
                     screenshot_playwright(browser, f"{ui.url}/{route}", out / f"{name}.png", args.width, height,
-                                          args.wait, search, click)
+                                          args.wait, search, click, expect)
             finally:
                 browser.close()
     return 0
