@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -57,41 +56,50 @@ def test_in_process_client_runner_applies_the_setting(torch_defaults):
     assert is_deterministic() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE
 
 
+_ACTORS_ORDER = """
+import json, sys, torch
+from rayfed_proto.config import build_config
+from rayfed_proto.runtime import actors
+from rayfed_proto.runtime.determinism import apply_determinism, is_deterministic
+from rayfed_proto.runtime.policies import ServerNeeds
+
+deterministic = sys.argv[1] == "true"
+order = []
+
+def record_apply(enabled):
+    order.append(f"apply({enabled})")
+    apply_determinism(enabled)
+
+def record_pick():
+    order.append("pick_device")
+    return torch.device("cpu")
+
+actors.apply_determinism, actors.pick_device = record_apply, record_pick
+actors.leave_out_triton_on_cpu = lambda device: True
+torch.set_num_threads = lambda n: None
+cfg = build_config({}, ["model.group=HtFE1", "algorithm.name=fedproto", "model.feature_dim=8",
+                        f"resources.deterministic={sys.argv[1]}"]).to_dict()
+actors.ClientActor.__ray_metadata__.modified_class(cfg, 1)
+client, client_flag = list(order), is_deterministic()
+order.clear()
+apply_determinism(False)
+actors.ServerActor.__ray_metadata__.modified_class(cfg, 10, 1, 8, ServerNeeds(None, False, 20), 1)
+print(json.dumps({"client": client, "client_flag": client_flag, "server": order[:2], "server_flag": is_deterministic()}))
+"""
+
+
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_both_actors_apply_it_before_choosing_a_device(torch_defaults, monkeypatch, deterministic):
+def test_both_actors_apply_it_before_choosing_a_device(deterministic):
     # The actors' own constructors, without Ray: the setting must be in force before the
-    # process's first CUDA call, i.e. before pick_device.
-    # the module as imported now: other test files drop rayfed_proto modules from sys.modules and
-    # import them afresh (test_lean_runtime), and the actor classes read the globals of their own
-    actors = importlib.import_module("rayfed_proto.runtime.actors")
-    order: list[str] = []
+    # process's first CUDA call, i.e. before pick_device. In a fresh interpreter: in the full suite
+    # the session's Ray instance and re-imported modules left in-process patches unread (CI).
+    import json
+    import subprocess
+    import sys
 
-    def record_apply(enabled: bool) -> None:
-        order.append(f"apply({enabled})")
-        apply_determinism(enabled)
-
-    def record_pick() -> torch.device:
-        order.append("pick_device")
-        return torch.device("cpu")
-
-    # patch the globals the constructors really read: those of the module their code was compiled in
-    # (after another test file re-imports rayfed_proto modules, sys.modules may name a newer copy)
-    constructor_globals = actors.ClientActor.__ray_metadata__.modified_class.__ray_actor_class__.__init__.__globals__
-    assert constructor_globals is (
-        actors.ServerActor.__ray_metadata__.modified_class.__ray_actor_class__.__init__.__globals__)
-    monkeypatch.setitem(constructor_globals, "apply_determinism", record_apply)
-    monkeypatch.setitem(constructor_globals, "pick_device", record_pick)
-    monkeypatch.setitem(constructor_globals, "leave_out_triton_on_cpu", lambda device: True)
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
-    cfg = build_config({}, ["model.group=HtFE1", "algorithm.name=fedproto", "model.feature_dim=8",
-                            f"resources.deterministic={str(deterministic).lower()}"]).to_dict()
-    actors.ClientActor.__ray_metadata__.modified_class(cfg, 1)
-    assert order == [f"apply({deterministic})", "pick_device"]
-    assert is_deterministic() == deterministic
-    order.clear()
-    apply_determinism(False)
-    from rayfed_proto.runtime.policies import ServerNeeds
-
-    actors.ServerActor.__ray_metadata__.modified_class(cfg, 10, 1, 8, ServerNeeds(None, False, 20), 1)
-    assert order[:2] == [f"apply({deterministic})", "pick_device"]
-    assert is_deterministic() == deterministic
+    flag = str(deterministic).lower()
+    proc = subprocess.run([sys.executable, "-c", _ACTORS_ORDER, flag], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["client"] == [f"apply({deterministic})", "pick_device"] and got["client_flag"] == deterministic
+    assert got["server"] == [f"apply({deterministic})", "pick_device"] and got["server_flag"] == deterministic
