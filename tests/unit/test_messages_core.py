@@ -66,7 +66,8 @@ def _core(mode="async", buffer=2, **fed):
                                        "buffer_size": buffer, "eval_every": 1, **fed}})
     return ServerCore(cfg, num_classes=4, in_channels=1, image_size=8, device=torch.device("cpu"),
                       needs=ServerNeeds(buffer if mode == "async" else None, background=False,
-                                        max_staleness=cfg.federation.max_staleness if mode == "async" else math.inf))
+                                        max_staleness=cfg.federation.max_staleness if mode == "async" else math.inf,
+                                        client_order=mode == "sync"))  # as SyncRounds declares
 
 
 def upd(client, version, value=1.0):
