@@ -1,6 +1,7 @@
 """Shared fixtures. Integration tests share one Ray instance (ray.init takes ~5 s)."""
 
 import os
+import shutil
 
 import pytest
 
@@ -20,8 +21,23 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def empty_mlflow_store(tmp_path_factory):
+    """An MLflow sqlite store with its tables made, once per session: MLflow builds a new store by
+    running its schema migrations, which takes seconds each time (more on a loaded machine)."""
+    from mlflow.tracking import MlflowClient
+
+    db = tmp_path_factory.mktemp("empty_mlflow_store") / "mlflow.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
 @pytest.fixture
-def tracking(tmp_path):
-    """Overrides that send MLflow and outputs into the test's own folder."""
+def tracking(tmp_path, empty_mlflow_store):
+    """Overrides that send MLflow and outputs into the test's own folder. The store is a copy of
+    ``empty_mlflow_store``: the test's own, as empty as a new one, without the migrations. (A run
+    creating its store from nothing is still tested where a run writes to a path of its own:
+    test_multinode.py's job, the sweeps of test_tune.py, tests/unit/test_run_guards.py.)"""
+    shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return uri, [f"tracking.tracking_uri={uri}", f"tracking.output_dir={tmp_path / 'runs'}"]

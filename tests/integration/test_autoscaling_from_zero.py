@@ -8,6 +8,8 @@ same process, the actors they create were cancelled ("Actor creation cancelled")
 was launched, a cause not found yet (see docs/cluster.md).
 """
 
+import shutil
+
 import pytest
 import ray
 from fakecluster import FakeAutoscalingHead, outside_shared_ray
@@ -47,11 +49,13 @@ class TestAutoscalingFromZero:
         assert result.final_version == 1
         assert len(_workers_alive()) == 2 and len(set(_client_nodes(result))) == 2
 
-    def test_two_trial_sweep_starts_the_nodes_it_needs(self, autoscaling, tmp_path):
+    def test_two_trial_sweep_starts_the_nodes_it_needs(self, autoscaling, tmp_path, empty_mlflow_store):
         from rayfed_proto.tuning.spec import parse_sweep
         from rayfed_proto.tuning.sweep import run_sweep
 
         assert not _workers_alive()
+        # the sweep's MLflow server opens a store with its tables made (test_tune.py's sweeps create theirs)
+        shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
         raw = {
             "name": "scale", "num_samples": 1, "max_concurrent_trials": 2, "storage_path": str(tmp_path / "tune"),
             "base": {"data": {"name": "digits", "partition": {"name": "dirichlet", "beta": 0.5, "min_samples": 20}},
