@@ -41,9 +41,12 @@ def test_method_runs_through_actors_and_logs_to_mlflow(ray_session, tracking, me
     assert run.info.status == "FINISHED" and run.data.params["algorithm.name"] == method
     steps = sorted(m.step for m in client.get_metric_history(result.run_id, "eval/head_acc"))
     assert steps == [0, 1, 2]
+    assert result.final_version == 2
     last = result.history[-1]
     assert last["federation/updates_accepted"] == 8 and last["federation/updates_refused"] == 0
     assert np.isfinite(last["train/loss"])
+    if method == "fedavg":  # homogeneous models, sync (was test_runs.py's test_sync_fedavg_homogeneous, the same run)
+        assert "eval/proto_acc" not in last  # FedAvg has no prototype inference
     if "eval/silhouette_mean" in last:
         assert -1.0 <= last["eval/silhouette_mean"] <= 1.0
     bank = result.output_dir / "global_prototypes.npz"

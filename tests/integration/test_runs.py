@@ -1,5 +1,6 @@
 """Real runs: Ray actors on the shared instance, metrics read back from MLflow."""
 
+import shutil
 import subprocess
 import sys
 
@@ -68,11 +69,24 @@ def test_async_every_version_is_evaluated_even_when_versions_come_fast(ray_sessi
     assert sorted(steps) == list(range(9))
 
 
-def test_sync_fedproto_partial_participation(ray_session, tracking):
-    uri, track = tracking
-    cfg = build_config({}, SMALL + track + ["algorithm.name=fedproto", "federation.mode=sync", "federation.rounds=3",
-                                            "federation.eval_every=1", "federation.participation=0.5"])
-    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+@pytest.fixture(scope="module")
+def sync_quarter_gpu_run(ray_session, tmp_path_factory, empty_mlflow_store):
+    """One sync FedProto run read by two tests: half the clients train each round (participation
+    0.5), in the papers' layout (an actor per client) with a quarter of a logical GPU per actor,
+    the server's included. Neither test's checks depend on what the other one's settings add."""
+    tmp = tmp_path_factory.mktemp("sync_quarter_gpu")
+    shutil.copyfile(empty_mlflow_store, tmp / "mlflow.db")
+    uri = f"sqlite:///{tmp / 'mlflow.db'}"
+    cfg = build_config({}, SMALL + [f"tracking.tracking_uri={uri}", f"tracking.output_dir={tmp / 'runs'}",
+                                    "algorithm.name=fedproto", "federation.mode=sync", "federation.rounds=3",
+                                    "federation.eval_every=1", "federation.participation=0.5",
+                                    "resources.client_num_gpus=0.25", "resources.server_num_gpus=0.25",
+                                    "resources.clients_per_actor=1"])  # the papers' layout: an actor per client
+    return uri, run_experiment(cfg, progress=False, echo=lambda s: None)
+
+
+def test_sync_fedproto_partial_participation(sync_quarter_gpu_run):
+    uri, result = sync_quarter_gpu_run
     client = MlflowClient(uri)
     assert [s for s, _ in metric_steps(client, result.run_id, "eval/head_acc")] == [0, 1, 2, 3]
     last = result.history[-1]
@@ -81,22 +95,13 @@ def test_sync_fedproto_partial_participation(ray_session, tracking):
     assert last["federation/staleness_max"] == 0 and last["federation/updates_dropped"] == 0
 
 
-def test_sync_fedavg_homogeneous(ray_session, tracking):
-    uri, track = tracking
-    cfg = build_config({}, SMALL + track + ["algorithm.name=fedavg", "model.group=HtFE1", "federation.mode=sync",
-                                            "federation.rounds=2", "federation.eval_every=1"])
-    result = run_experiment(cfg, progress=False, echo=lambda s: None)
-    assert result.final_version == 2
-    assert "eval/proto_acc" not in result.history[-1]  # FedAvg has no prototype inference
-    assert MlflowClient(uri).get_run(result.run_id).info.status == "FINISHED"
+# FedAvg with homogeneous models, sync, 2 rounds (it reaches version 2, logs no prototype accuracy, its
+# MLflow run ends FINISHED): test_methods.py's fedavg case runs that experiment (with feature_dim 32 and
+# two clients per actor) and checks all three.
 
 
-def test_four_clients_with_quarter_gpu_shares_are_placed(ray_session, tracking):
-    _, track = tracking
-    cfg = build_config({}, SMALL + track + ["federation.mode=sync", "federation.rounds=1", "federation.eval_every=1",
-                                            "resources.client_num_gpus=0.25", "resources.server_num_gpus=0.25",
-                                            "resources.clients_per_actor=1"])  # the papers' layout: an actor per client
-    result = run_experiment(cfg, progress=False, echo=lambda s: None)
+def test_four_clients_with_quarter_gpu_shares_are_placed(sync_quarter_gpu_run):
+    _, result = sync_quarter_gpu_run
     clients, server = result.placements[:-1], result.placements[-1]
     assert len(clients) == 4
     for p in clients:
