@@ -189,7 +189,6 @@ def signal_cli_at_stage(args: list[str], stage: str, sig: int, cwd: Path,
             proc.wait()
             raise TimeoutError(f"the CLI ran past {timeout} s:\n" + "".join(lines[-50:]))
     proc.wait(timeout=60)
-    time.sleep(3)
 
     def alive(pid: int) -> bool:
         try:
@@ -197,7 +196,12 @@ def signal_cli_at_stage(args: list[str], stage: str, sig: int, cwd: Path,
         except psutil.Error:
             return False
 
-    return StageSignalled(proc.returncode, "".join(lines), sent, [p for p in started if alive(p)])
+    # Ray's processes end after the driver (atexit shutdown): what is still alive 3 s after it
+    # exited is left behind (polled: the wait ends as soon as every process is gone)
+    until = time.monotonic() + 3
+    while (left := [p for p in started if alive(p)]) and time.monotonic() < until:
+        time.sleep(0.1)
+    return StageSignalled(proc.returncode, "".join(lines), sent, left)
 
 
 class RunInterrupted(KeyboardInterrupt):
