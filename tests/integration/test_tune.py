@@ -53,13 +53,33 @@ def steps(client, run_id, key):
     return sorted(m.step for m in client.get_metric_history(run_id, key))
 
 
-def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_session, tmp_path):
+def _listening_addresses(port: int) -> list[str]:
+    import psutil
+
+    return [c.laddr.ip for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
+def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_session, tmp_path, monkeypatch):
+    # the sweep's own MLflow server has no authentication: it listens on loopback only, checked
+    # as soon as it answers (what test_local_mlflow_server_listens_on_loopback_only checked on a
+    # server of its own, with a start of its own)
+    listening: list[str] = []
+    start = LocalMlflowServer.start
+
+    def start_and_look(server):
+        uri = start(server)
+        listening.extend(_listening_addresses(int(uri.rsplit(":", 1)[1])))
+        return uri
+
+    monkeypatch.setattr(LocalMlflowServer, "start", start_and_look)
     # ASHA stops every trial at its report of version max_t (= rounds): the run must still end
     # FINISHED with its final artifacts (the last evaluation is reported after the run)
     spec = tiny_sweep(tmp_path, scheduler={"name": "asha", "grace_period": ROUNDS})
     started = time.monotonic()
     result = run_sweep(spec, verbose=0, echo=print)
     print(f"2-trial sweep (2 concurrent): {time.monotonic() - started:.1f} s wall")
+    assert listening and set(listening) == {"127.0.0.1"}
 
     assert [r["status"] for r in result.ranked] == ["done", "done"]
     assert sorted(r["algorithm.lam"] for r in result.ranked) == [0.1, 1.0]
@@ -186,10 +206,12 @@ def test_an_interrupted_sweep_resumes_and_its_unfinished_trial_continues_from_it
     assert load_config(resumed.best_yaml).algorithm.name == "fedproto"
 
 
-def test_a_failed_trial_is_retried_from_its_tune_checkpoint_not_from_scratch(ray_session, tmp_path):
+def test_a_failed_trial_is_retried_from_its_tune_checkpoint_not_from_scratch(ray_session, tmp_path, empty_mlflow_store):
     """The trial fails at version 2 and its local run folder is deleted (as if its node went down
     with its disk); Tune retries it (max_failures 1) and the trial continues its run from the Tune
     checkpoint persisted under storage_path: the same MLflow run, version 0 logged once."""
+    # the sweep's server opens a store with its tables made (the other sweeps here create theirs)
+    shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
     rounds = 3
     spec = tiny_sweep(tmp_path)
     base = {**spec.base_raw, "checkpoint": {"every": 1}, "faults": {"fail_trial_at_version": 2}}
@@ -213,12 +235,3 @@ def test_a_failed_trial_is_retried_from_its_tune_checkpoint_not_from_scratch(ray
     history = steps(client, kid.info.run_id, "eval/head_acc")
     assert sorted(set(history)) == list(range(rounds + 1)) and history.count(0) == 1
 
-
-def test_local_mlflow_server_listens_on_loopback_only(tmp_path):
-    import psutil
-
-    with LocalMlflowServer(f"sqlite:///{tmp_path / 'm.db'}") as uri:
-        port = int(uri.rsplit(":", 1)[1])
-        listening = [c.laddr.ip for c in psutil.net_connections(kind="inet")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
-        assert listening and set(listening) == {"127.0.0.1"}
