@@ -8,9 +8,11 @@ failure before the first update leaves no autoscaler request behind; a run resum
 test_autoscaling_from_zero.py.
 
 These tests need clusters of their own: each class starts one (class-scoped, torn down after its
-last test), with the suite's shared instance shut down meanwhile and restarted after
-(``outside_shared_ray``). Nothing here stops Ray processes by name (``ray stop`` would end every
-Ray instance on the machine): clusters are removed node by node, or by the pids of their processes.
+last test), with the suite's shared instance shut down meanwhile: once for the module, restarted
+after its last test (``outside_shared_ray``; done per class, it was started again between two
+clusters only to be shut down at once). Nothing here stops Ray processes by name (``ray stop``
+would end every Ray instance on the machine): clusters are removed node by node, or by the pids
+of their processes.
 """
 
 import json
@@ -51,11 +53,18 @@ def _client_nodes(result) -> list[str]:
     return [p["node_id"] for p in result.placements[:-1] if not p.get("dead")]
 
 
+@pytest.fixture(scope="module")
+def no_shared_ray():
+    """The suite's shared instance is down for this whole module (every class starts a cluster)."""
+    with outside_shared_ray():
+        yield
+
+
 @pytest.fixture(scope="class")
-def cluster():
+def cluster(no_shared_ray):
     """Head with CPU 0 (and the dashboard, for job submission) + three 2-CPU worker nodes."""
     port = free_port()
-    with outside_shared_ray(), local_cluster(
+    with local_cluster(
             {"num_cpus": 0, "include_dashboard": True, "dashboard_port": port, "dashboard_host": "127.0.0.1"},
             [{"num_cpus": 2}, {"num_cpus": 2}, {"num_cpus": 2}]) as c:
         c.dashboard_url = f"http://127.0.0.1:{port}"
@@ -167,19 +176,19 @@ def _worker(node_types: dict) -> dict:
 
 
 @pytest.fixture(scope="class")
-def cluster_yaml_shape():
+def cluster_yaml_shape(no_shared_ray):
     """cluster.yaml's shape: a head with CPU 0 and two of its gpu_worker nodes (8 CPUs, 1 GPU each:
     a logical GPU here, the actors fall back to the CPU)."""
     assert _cluster_yaml()["available_node_types"]["head"]["resources"] == {"CPU": 0}
-    with outside_shared_ray(), local_cluster({"num_cpus": 0}, [_worker(_cluster_yaml())] * 2) as c:
+    with local_cluster({"num_cpus": 0}, [_worker(_cluster_yaml())] * 2) as c:
         yield c
 
 
 @pytest.fixture(scope="class")
-def rayjob_shape():
+def rayjob_shape(no_shared_ray):
     """The KubeRay RayJob's shape: a head with CPU 0 and its worker group at its maximum (two 4-CPU pods)."""
     types = _rayjob_node_types()
-    with outside_shared_ray(), local_cluster({"num_cpus": 0}, [_worker(types)] * types["max_workers"]) as c:
+    with local_cluster({"num_cpus": 0}, [_worker(types)] * types["max_workers"]) as c:
         yield c
 
 
