@@ -10,6 +10,7 @@ reading (each client's newest state) gives other figures."""
 
 import copy
 import pickle
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,9 +40,10 @@ VIRTUAL = ["algorithm.name=fedproto", "data.name=digits", "data.partition.beta=0
 
 
 @pytest.fixture(scope="module")
-def sync_run(ray_session, tmp_path_factory):
+def sync_run(ray_session, tmp_path_factory, empty_mlflow_store):
     """One sync FedProto run on the digits, evaluated at every version (shared by two tests)."""
     tmp = tmp_path_factory.mktemp("sync")
+    shutil.copyfile(empty_mlflow_store, tmp / "mlflow.db")  # as the tracking fixture: no migrations to run
     cfg = build_config({}, SYNC + [f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}", f"tracking.output_dir={tmp / 'runs'}"])
     return cfg, run_experiment(cfg, **QUIET)
 

@@ -3,6 +3,7 @@ metrics, exactly, whatever the number of real slots; it resumes from a checkpoin
 would have gone on; offline clients are never dispatched; slow clients show real staleness."""
 
 import math
+import shutil
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -32,13 +33,14 @@ def _comparable(history):
 
 
 @pytest.fixture(scope="module")
-def async_runs(ray_session, tmp_path_factory):
+def async_runs(ray_session, tmp_path_factory, empty_mlflow_store):
     """The uninterrupted asynchronous VIRTUAL runs, each run once for the module (a run is mostly
     its actors' start-up): ``async_runs(per)`` is the run with ``resources.clients_per_actor=per``
     (``extra``: further overrides). The slots test compares three layouts and a sampled
     evaluation; the stop-and-resume test compares its resumed run with the ``auto`` one, the
     very config it would otherwise run again."""
     root = tmp_path_factory.mktemp("virtual_clock_async")
+    shutil.copyfile(empty_mlflow_store, root / "mlflow.db")  # as the tracking fixture: no migrations to run
     track = [f"tracking.tracking_uri=sqlite:///{root / 'mlflow.db'}", f"tracking.output_dir={root / 'runs'}"]
     done = {}
 
