@@ -152,9 +152,13 @@ class ClientActor:
         if self.host is not None:
             self.host.parked.close()
 
-    def restore(self, states: dict[int, dict[str, Any]], rng: torch.Tensor | None = None) -> list[int]:
-        """Load checkpointed client states (clients without one keep their fresh initialisation)."""
-        self.host.load_state_dicts(states)
+    def restore(self, states: dict[int, dict[str, Any] | bytes], rng: torch.Tensor | None = None) -> list[int]:
+        """Load checkpointed client states (clients without one keep their fresh initialisation):
+        a state dict, or a state file's bytes as the driver read and checked them."""
+        from rayfed_proto.runtime.checkpoint import load_client_bytes  # the restore is rare: off the import path
+
+        self.host.load_state_dicts({c: load_client_bytes(f"clients/{c}.pt", st) if isinstance(st, bytes) else st
+                                    for c, st in states.items()})
         if rng is not None:
             torch.set_rng_state(rng)
         return sorted(states)

@@ -171,6 +171,17 @@ def _load(path: Path, data: Optional[bytes] = None) -> Any:
                               "tensors, numpy arrays and plain containers)") from None
 
 
+def load_client_bytes(name: str, data: bytes) -> dict[str, Any]:
+    """A client state from the bytes ``Checkpoint.client_bytes`` checked, loaded where it is used (a
+    worker, possibly on another node: ``name`` is for messages only). weights_only, as ``_load``;
+    the driver has already scanned the file for code (``check_loadable``)."""
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot load the client state {name}: {first}") from None
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder, checked for the keys a checkpoint needs."""
     path = folder / MANIFEST
@@ -232,6 +243,13 @@ class Checkpoint:
 
     def client_state(self, client_id: int) -> Optional[dict[str, Any]]:
         """The client's state, its bytes checked against the manifest's SHA-256 before they are loaded."""
+        data = self.client_bytes(client_id)
+        return None if data is None else _load(self.path / "clients" / f"{client_id}.pt", data)
+
+    def client_bytes(self, client_id: int) -> Optional[bytes]:
+        """The client's state file as bytes, checked against the manifest's SHA-256 (None: no state
+        saved). A resume sends these to the worker, which loads them (``load_client_bytes``): the
+        driver reads and checks the next chunk while the worker loads this one."""
         p = self.path / "clients" / f"{client_id}.pt"
         if not p.exists():
             return None
@@ -241,7 +259,7 @@ class Checkpoint:
             raise CheckpointError(
                 f"{p} does not match its checksum in the manifest (damaged after it was written). Resume from the "
                 f"older checkpoint by deleting {self.path}, or start the run afresh")
-        return _load(p, data)
+        return data
 
     def actor_rng(self) -> dict[int, Any]:
         p = self.path / "actors.pt"

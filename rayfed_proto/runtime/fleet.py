@@ -269,15 +269,22 @@ class _Chained:
         return ((c, st) for states in self.parts for c, st in states.items())
 
 
-def _restore_clients(actor, ckpt, clients: list[int], rng=None, chunk: int = 32) -> int:
-    """Load the checkpointed states of ``clients`` into ``actor``, ``chunk`` at a time (the driver
-    holds a chunk, not every client's state); clients without one keep their fresh start. Returns
-    how many were restored."""
+def _restore_clients(actor, ckpt, clients: list[int], rng=None, chunk: int = 32, window: int = 2) -> int:
+    """Load the checkpointed states of ``clients`` into ``actor``, ``chunk`` at a time; clients
+    without one keep their fresh start. Returns how many were restored.
+
+    The driver reads each state file and checks its SHA-256 (``ckpt.client_bytes``); the worker
+    loads the bytes. Up to ``window`` chunks are in flight, so the driver reads the next chunk
+    while the worker loads this one (an actor runs its calls in the order sent: the RNG state
+    goes with the first), and holds at most ``window`` chunks, not every client's state."""
     saved = set(ckpt.manifest.get("clients", [])) if ckpt.manifest.get("clients") is not None else None
     todo = [c for c in clients if saved is None or c in saved]
-    restored = 0
+    restored, inflight = 0, []
     for i in range(0, max(len(todo), 1), chunk):
-        states = {c: st for c in todo[i : i + chunk] if (st := ckpt.client_state(c)) is not None}
-        ray.get(actor.restore.remote(states, rng if i == 0 else None))
+        states = {c: data for c in todo[i : i + chunk] if (data := ckpt.client_bytes(c)) is not None}
+        inflight.append(actor.restore.remote(states, rng if i == 0 else None))
         restored += len(states)
+        if len(inflight) >= window:
+            ray.get(inflight.pop(0))
+    ray.get(inflight)
     return restored

@@ -3,6 +3,7 @@ No Ray: ClientHost and the fleet's chunked restore are driven in-process."""
 
 import copy
 import gc
+import io
 import os
 import subprocess
 import sys
@@ -138,15 +139,41 @@ class _Actor:
 
 
 def test_a_resume_sends_client_states_in_chunks_with_the_rng_once(monkeypatch):
-    monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: ref)  # also called with the list of the last chunks
     ckpt = type("C", (), {"manifest": {"clients": list(range(0, 140, 2))},
-                          "client_state": lambda self, c: {"c": c}})()
+                          "client_bytes": lambda self, c: b"state %d" % c})()
     actor = _Actor()
     assert fleet_mod._restore_clients(actor, ckpt, list(range(100)), rng="R", chunk=20) == 50
     assert [len(c) for c, _ in actor.calls] == [20, 20, 10] and [r for _, r in actor.calls] == ["R", None, None]
     assert sum((c for c, _ in actor.calls), []) == list(range(0, 100, 2))
     empty = _Actor()
     assert fleet_mod._restore_clients(empty, ckpt, [1, 3], rng="R") == 0 and empty.calls == [([], "R")]
+
+
+def test_a_resume_keeps_two_chunks_in_flight_and_sends_the_checked_bytes(monkeypatch):
+    """The driver reads chunk i+1 while the worker loads chunk i: it waits for a chunk only once
+    two are in flight, and sends each file's bytes as read (the worker loads them)."""
+    events = []
+    monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: events.append(("get", ref)))
+    ckpt = type("C", (), {"manifest": {"clients": None}, "client_bytes": lambda self, c: b"state %d" % c})()
+    actor = _Actor()
+    actor.remote = lambda states, rng=None: (events.append(("send", sorted(states))), dict(states))[1]
+    assert fleet_mod._restore_clients(actor, ckpt, list(range(6)), chunk=2) == 6
+    sent = [e[1] for e in events if e[0] == "send"]
+    assert sent == [[0, 1], [2, 3], [4, 5]]
+    assert [e[0] for e in events] == ["send", "send", "get", "send", "get", "get"]
+    assert events[2][1] == {0: b"state 0", 1: b"state 1"}  # the oldest chunk is waited for first
+    assert events[5][1] == [{4: b"state 4", 5: b"state 5"}]  # the last one at the end
+
+
+def test_a_client_state_that_cannot_be_loaded_names_the_file():
+    from rayfed_proto.runtime.checkpoint import CheckpointError, load_client_bytes
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(2)}, buf)
+    assert torch.equal(load_client_bytes("clients/3.pt", buf.getvalue())["w"], torch.ones(2))
+    with pytest.raises(CheckpointError, match="clients/3.pt"):
+        load_client_bytes("clients/3.pt", b"not a torch file")
 
 
 def test_parked_states_are_files_not_memory_for_many_clients(fed, tmp_path):
