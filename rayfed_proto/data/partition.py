@@ -190,21 +190,44 @@ class Partition:
         if not needed <= set(meta):
             raise ValueError(f"{path}: not a partition written by Partition.save_parquet "
                              f"(missing metadata {', '.join(sorted(needed - set(meta)))})")
-        client_id = table.column("client_id").to_numpy()
         index = table.column("sample_index").to_numpy().astype(np.int64)
-        split = np.asarray(table.column("split").to_pylist(), dtype=object)
         labels = np.full(int(meta["num_samples"]), -1, dtype=np.int64)
         labels[index] = table.column("label").to_numpy()
-        clients = [ClientSplit(i, index[(client_id == i) & (split == "train")], index[(client_id == i) & (split == "test")],
-                               index[(client_id == i) & (split == _UNLABELLED)])
+        rows = _RowGroups(table.column("client_id").to_numpy(), table.column("split"))
+        clients = [ClientSplit(i, index[rows.of(i, "train")], index[rows.of(i, "test")], index[rows.of(i, _UNLABELLED)])
                    for i in range(int(meta["num_clients"]))]
-        holdout = client_id == HOLDOUT_CLIENT_ID
         return cls(clients=clients, num_classes=int(meta["num_classes"]), partitioner=meta["partitioner"],
                    seed=int(meta["seed"]), labels=labels,
-                   global_test_idx=index[holdout & (split == "global_test")],
-                   public_idx=index[holdout & (split == "public")],
+                   global_test_idx=index[rows.of(HOLDOUT_CLIENT_ID, "global_test")],
+                   public_idx=index[rows.of(HOLDOUT_CLIENT_ID, "public")],
                    client_domains=json.loads(meta["client_domains"]) if "client_domains" in meta else None,
                    domain_names=json.loads(meta["domain_names"]) if "domain_names" in meta else [])
+
+
+class _RowGroups:
+    """The rows of a partition table by (client, split), in table order: one stable sort, then a
+    binary search per group. (A boolean mask per client and split read the whole table once per
+    client: 10,000 clients over 200,000 rows took about 100 s of a resumed run's start-up.)"""
+
+    def __init__(self, client_id: np.ndarray, split) -> None:
+        import pyarrow.compute as pc
+
+        encoded = pc.dictionary_encode(split).combine_chunks()
+        self.codes = {name: j for j, name in enumerate(encoded.dictionary.to_pylist())}
+        width = max(len(self.codes), 1)
+        key = (client_id.astype(np.int64) - HOLDOUT_CLIENT_ID) * width + encoded.indices.to_numpy(zero_copy_only=False)
+        self.order = np.argsort(key, kind="stable")  # stable: each group keeps the rows' order in the table
+        self.sorted_keys = key[self.order]
+        self.width = width
+
+    def of(self, client_id: int, split: str) -> np.ndarray:
+        """Row numbers of ``client_id``'s ``split`` rows, in table order (none: empty)."""
+        j = self.codes.get(split)
+        if j is None:
+            return np.empty(0, dtype=np.int64)
+        k = (client_id - HOLDOUT_CLIENT_ID) * self.width + j
+        lo, hi = np.searchsorted(self.sorted_keys, [k, k + 1])
+        return self.order[lo:hi]
 
 
 # --------------------------------------------------------------------------- partitioners

@@ -460,3 +460,21 @@ def test_unlabelled_pool_runs_short_with_a_warning():
     with pytest.warns(UserWarning, match="unlabelled_per_client"):
         p = make_partition(ds, cfg, num_clients=2, seed=0)
     assert sorted(len(c.unlabelled_idx) for c in p.clients) == [1, 3]  # 4 free samples, first come first served
+
+
+def test_a_partition_table_with_interleaved_rows_loads_each_group_in_table_order(tmp_path):
+    """Rows of one client and split need not be contiguous: each group is read in the table's order
+    (the order save_parquet writes), whatever the order of the groups."""
+    table = pa.table({"client_id": pa.array([1, 0, -1, 1, 0, 1, -1, 0], type=pa.int32()),
+                      "sample_index": pa.array([7, 5, 3, 1, 6, 0, 2, 4], type=pa.int64()),
+                      "split": ["train", "test", "public", "train", "train", "unlabelled", "global_test", "test"],
+                      "label": pa.array([1, 0, 1, 0, 0, 1, 0, 1], type=pa.int64())})
+    meta = {"num_classes": 2, "partitioner": "iid", "seed": 0, "num_samples": 8, "num_clients": 3}
+    pq.write_table(table.replace_schema_metadata({f"rayfed_proto.{k}": str(v) for k, v in meta.items()}),
+                   str(tmp_path / "mixed.parquet"))
+    p = Partition.load_parquet(tmp_path / "mixed.parquet")
+    assert p.clients[0] == ClientSplit(0, np.array([6]), np.array([5, 4]))
+    assert p.clients[1] == ClientSplit(1, np.array([7, 1]), np.array([], dtype=np.int64), np.array([0]))
+    assert p.clients[2] == ClientSplit(2, np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    assert list(p.global_test_idx) == [2] and list(p.public_idx) == [3]
+    assert list(p.labels) == [1, 0, 0, 1, 1, 0, 0, 1]
