@@ -166,8 +166,7 @@ class ActorFleet:
         """Server and every worker's clients as ``ckpt`` saved them; returns the server's version."""
         version = ray.get(self.handles["server"].restore.remote(ckpt.server_state()))
         rngs = ckpt.actor_rng()
-        for a, actor in enumerate(self.handles["actors"]):
-            _restore_clients(actor, ckpt, self.groups[a], rngs.get(a))
+        _restore_clients([(actor, self.groups[a], rngs.get(a)) for a, actor in enumerate(self.handles["actors"])], ckpt)
         return version
 
     def save_checkpoint(self, server_snap: dict[str, Any], actor_snaps: list, driver: dict[str, Any], run_id):
@@ -188,7 +187,7 @@ class ActorFleet:
         """Worker ``a`` died: a new one in its bundle, its clients from the latest checkpoint (or fresh)."""
         actor = self.new_worker(a)
         latest = self.store.latest()
-        restored = _restore_clients(actor, latest, self.groups[a]) if latest is not None else 0
+        restored = _restore_clients([(actor, self.groups[a], None)], latest) if latest is not None else 0
         echo(f"client actor {a} recreated " + (f"from the checkpoint of version {latest.version}" if restored
                                                else "re-initialised (no checkpoint yet)"))
         return actor
@@ -269,22 +268,31 @@ class _Chained:
         return ((c, st) for states in self.parts for c, st in states.items())
 
 
-def _restore_clients(actor, ckpt, clients: list[int], rng=None, chunk: int = 32, window: int = 2) -> int:
-    """Load the checkpointed states of ``clients`` into ``actor``, ``chunk`` at a time; clients
-    without one keep their fresh start. Returns how many were restored.
+def _restore_clients(workers: list[tuple[Any, list[int], Any]], ckpt, chunk: int = 32, window: int = 2) -> int:
+    """Load the checkpointed states of each ``(actor, clients, rng)`` in ``workers`` into its actor,
+    ``chunk`` clients at a time; clients without one keep their fresh start. Returns how many were
+    restored.
 
     The driver reads each state file and checks its SHA-256 (``ckpt.client_bytes``); the worker
-    loads the bytes. Up to ``window`` chunks are in flight, so the driver reads the next chunk
-    while the worker loads this one (an actor runs its calls in the order sent: the RNG state
-    goes with the first), and holds at most ``window`` chunks, not every client's state."""
+    loads the bytes and parks them. Chunks go to the workers in turn, up to ``window`` in flight
+    per worker: the driver reads the next chunk while the workers load theirs, all at once (an
+    actor runs its calls in the order sent, so the RNG state goes with its first chunk), and it
+    holds at most ``window`` chunks per worker, not every client's state."""
     saved = set(ckpt.manifest.get("clients", [])) if ckpt.manifest.get("clients") is not None else None
-    todo = [c for c in clients if saved is None or c in saved]
-    restored, inflight = 0, []
-    for i in range(0, max(len(todo), 1), chunk):
-        states = {c: data for c in todo[i : i + chunk] if (data := ckpt.client_bytes(c)) is not None}
-        inflight.append(actor.restore.remote(states, rng if i == 0 else None))
-        restored += len(states)
-        if len(inflight) >= window:
-            ray.get(inflight.pop(0))
-    ray.get(inflight)
+    queues = []  # per worker: (actor, rng, the chunks of client ids still to send)
+    for actor, clients, rng in workers:
+        todo = [c for c in clients if saved is None or c in saved]
+        queues.append((actor, rng, [todo[i : i + chunk] for i in range(0, len(todo), chunk)] or [[]]))
+    restored, inflight = 0, {id(actor): [] for actor, _, _ in queues}
+    for turn in range(max(len(q[2]) for q in queues) if queues else 0):
+        for actor, rng, chunks in queues:
+            if turn >= len(chunks):
+                continue
+            states = {c: data for c in chunks[turn] if (data := ckpt.client_bytes(c)) is not None}
+            mine = inflight[id(actor)]
+            mine.append(actor.restore.remote(states, rng if turn == 0 else None))
+            restored += len(states)
+            if len(mine) >= window:
+                ray.get(mine.pop(0))
+    ray.get([ref for refs in inflight.values() for ref in refs])
     return restored

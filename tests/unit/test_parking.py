@@ -143,27 +143,34 @@ def test_a_resume_sends_client_states_in_chunks_with_the_rng_once(monkeypatch):
     ckpt = type("C", (), {"manifest": {"clients": list(range(0, 140, 2))},
                           "client_bytes": lambda self, c: b"state %d" % c})()
     actor = _Actor()
-    assert fleet_mod._restore_clients(actor, ckpt, list(range(100)), rng="R", chunk=20) == 50
+    assert fleet_mod._restore_clients([(actor, list(range(100)), "R")], ckpt, chunk=20) == 50
     assert [len(c) for c, _ in actor.calls] == [20, 20, 10] and [r for _, r in actor.calls] == ["R", None, None]
     assert sum((c for c, _ in actor.calls), []) == list(range(0, 100, 2))
     empty = _Actor()
-    assert fleet_mod._restore_clients(empty, ckpt, [1, 3], rng="R") == 0 and empty.calls == [([], "R")]
+    assert fleet_mod._restore_clients([(empty, [1, 3], "R")], ckpt) == 0 and empty.calls == [([], "R")]
 
 
-def test_a_resume_keeps_two_chunks_in_flight_and_sends_the_checked_bytes(monkeypatch):
-    """The driver reads chunk i+1 while the worker loads chunk i: it waits for a chunk only once
-    two are in flight, and sends each file's bytes as read (the worker loads them)."""
+def test_a_resume_keeps_two_chunks_in_flight_per_worker_and_sends_the_checked_bytes(monkeypatch):
+    """The driver reads the next chunk while the workers load theirs: chunks go to the workers in
+    turn, the driver waits for a worker's oldest chunk only once it has two in flight, and each
+    file's bytes are sent as read (the worker loads them); each worker's RNG goes with its first."""
     events = []
     monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: events.append(("get", ref)))
     ckpt = type("C", (), {"manifest": {"clients": None}, "client_bytes": lambda self, c: b"state %d" % c})()
-    actor = _Actor()
-    actor.remote = lambda states, rng=None: (events.append(("send", sorted(states))), dict(states))[1]
-    assert fleet_mod._restore_clients(actor, ckpt, list(range(6)), chunk=2) == 6
-    sent = [e[1] for e in events if e[0] == "send"]
-    assert sent == [[0, 1], [2, 3], [4, 5]]
-    assert [e[0] for e in events] == ["send", "send", "get", "send", "get", "get"]
-    assert events[2][1] == {0: b"state 0", 1: b"state 1"}  # the oldest chunk is waited for first
-    assert events[5][1] == [{4: b"state 4", 5: b"state 5"}]  # the last one at the end
+
+    def worker(name):
+        w = _Actor()
+        w.remote = lambda states, rng=None: (events.append(("send", name, sorted(states), rng)), (name, dict(states)))[1]
+        return w
+
+    a, b = worker("a"), worker("b")
+    assert fleet_mod._restore_clients([(a, list(range(6)), "Ra"), (b, [10, 11], "Rb")], ckpt, chunk=2) == 8
+    assert [e[1:] for e in events if e[0] == "send"] == [
+        ("a", [0, 1], "Ra"), ("b", [10, 11], "Rb"), ("a", [2, 3], None), ("a", [4, 5], None)]
+    assert [e[0] if e[0] == "get" else e[1] for e in events] == ["a", "b", "a", "get", "a", "get", "get"]
+    assert events[3][1] == ("a", {0: b"state 0", 1: b"state 1"})  # a's oldest chunk is waited for first
+    assert events[5][1] == ("a", {2: b"state 2", 3: b"state 3"})
+    assert events[6][1] == [("a", {4: b"state 4", 5: b"state 5"}), ("b", {10: b"state 10", 11: b"state 11"})]
 
 
 def test_a_client_state_that_cannot_be_loaded_names_the_file():
