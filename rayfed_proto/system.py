@@ -103,20 +103,22 @@ def architecture_macs(arch: str, in_channels: int, image_size: int, num_classes:
                       projector: str = "linear") -> int:
     """MACs of one forward pass of one ``in_channels`` x ``image_size`` x ``image_size`` sample
     through the zoo's ``arch`` (extractor, projection, head). Depends only on shapes, not on
-    weights or the machine. The model is built and run on torch's ``meta`` device (shapes only:
-    no weights allocated or initialised, a ResNet-152 in well under a second), falling back to
-    the CPU if an architecture cannot run there; either way inside ``torch.random.fork_rng``, so
-    the global torch RNG is left as it was."""
+    weights or the machine. The model is built on torch's ``meta`` device (shapes only: nothing
+    initialised) and counted on an uninitialised CPU copy (``to_empty``), one image through it;
+    a forward on ``meta`` itself would import torch's Python meta kernels, about 2 s of a run's
+    start-up. An architecture that cannot be built on ``meta`` is built on the CPU. Either way
+    inside ``torch.random.fork_rng``, so the global torch RNG is left as it was."""
     import torch
 
-    from rayfed_proto.models.zoo import build_model
+    from rayfed_proto.models.zoo import _on_cpu_if_meta, build_model
 
     shape = (1, in_channels, image_size, image_size)
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
-                return count_macs(build_model(arch, in_channels, image_size, num_classes, feature_dim,
-                                              projector=projector), shape)
+                model = build_model(arch, in_channels, image_size, num_classes, feature_dim, projector=projector)
+            # counted on an uninitialised CPU copy: a forward on meta imports torch's meta kernels (~2 s)
+            return count_macs(_on_cpu_if_meta(model), shape)
         except (RuntimeError, ValueError):  # an op meta cannot run (the zoo reports dry-run failures as
             pass  # ValueError): the CPU build below computes the same count, or raises the real error
         return count_macs(build_model(arch, in_channels, image_size, num_classes, feature_dim, projector=projector),

@@ -28,6 +28,8 @@ points in group ``rayfed_proto.models`` (loaded by ``rayfed_proto.models`` after
 
 from __future__ import annotations
 
+import copy
+import itertools
 from collections.abc import Callable
 from typing import Optional
 
@@ -120,19 +122,33 @@ def _output_dim(arch: str, backbone: nn.Module, in_channels: int, image_size: in
     Eval mode so BatchNorm neither needs two samples nor updates its running statistics;
     the backbone is put back in training mode, the state a fresh ``nn.Module`` is in.
     """
-    backbone.eval()
+    probe = _on_cpu_if_meta(backbone)
+    probe.eval()
     try:
         with torch.no_grad():
-            out = backbone(torch.zeros(1, in_channels, image_size, image_size))
+            out = probe(torch.zeros(1, in_channels, image_size, image_size, device=next(
+                (p.device for p in probe.parameters()), None)))
     except RuntimeError as err:  # a map shrunk to nothing: say which model and size, not just the op
         raise ValueError(
             f"architecture {arch!r} cannot take {image_size}x{image_size} images with {in_channels} channel(s): {err}"
         ) from err
     finally:
-        backbone.train()
+        probe.train()
     if out.dim() != 2:
         raise AssertionError(f"backbone of {arch!r} must return (B, D), got shape {tuple(out.shape)}")
     return int(out.shape[1])
+
+
+def _on_cpu_if_meta(module: nn.Module) -> nn.Module:
+    """``module`` itself, or, when its parameters are on torch's ``meta`` device (shapes only), an
+    uninitialised CPU copy of it (``to_empty``: memory allocated, nothing initialised) for a dry run
+    of shapes. A forward pass on ``meta`` runs torch's Python meta kernels, whose first use imports
+    them with sympy: about 2 s of a run's start-up, where one image through the zoo's small CNNs
+    takes milliseconds on the CPU (``system.architecture_macs`` builds on ``meta``)."""
+    if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        return module
+    with torch.device("cpu"):
+        return copy.deepcopy(module).to_empty(device="cpu")
 
 
 def register_backbone(name: str, help: str) -> Callable[[BackboneFactory], BackboneFactory]:

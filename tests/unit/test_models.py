@@ -188,3 +188,23 @@ def test_backbone_parameter_counts(arch: str, params: int) -> None:
 def test_small_models_are_small() -> None:
     for arch in SMALL:
         assert sum(p.numel() for p in build_model(arch, 1, 32, 10).parameters()) < 5_000_000, arch
+
+
+def test_a_model_on_meta_is_dry_run_on_an_uninitialised_cpu_copy_and_stays_on_meta():
+    """build_model's dry run and architecture_macs run one image through a CPU copy of a meta
+    model (to_empty), not on meta: the model returned is still all meta, its backbone_dim and MACs
+    are those of a CPU build."""
+    from torch import nn
+
+    from rayfed_proto.models.zoo import _on_cpu_if_meta
+    from rayfed_proto.system import count_macs
+
+    with torch.device("meta"):
+        meta = build_model("cnn", 1, 28, 10, 64, projector="linear")
+    cpu = build_model("cnn", 1, 28, 10, 64, projector="linear")
+    assert all(p.is_meta for p in meta.parameters()) and meta.backbone_dim == cpu.backbone_dim
+    copy = _on_cpu_if_meta(meta)
+    assert copy is not meta and not any(p.is_meta for p in copy.parameters())
+    assert count_macs(copy, (1, 1, 28, 28)) == count_macs(cpu, (1, 1, 28, 28))
+    plain = nn.Linear(2, 2)
+    assert _on_cpu_if_meta(plain) is plain
