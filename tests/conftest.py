@@ -37,7 +37,8 @@ def tracking(tmp_path, empty_mlflow_store):
     """Overrides that send MLflow and outputs into the test's own folder. The store is a copy of
     ``empty_mlflow_store``: the test's own, as empty as a new one, without the migrations. (A run
     creating its store from nothing is still tested where a run writes to a path of its own:
-    test_multinode.py's job, the sweeps of test_tune.py, tests/unit/test_run_guards.py.)"""
+    test_multinode.py's job, test_tune.py's interrupted sweep (the server its CLI starts),
+    tests/unit/test_run_guards.py.)"""
     shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     return uri, [f"tracking.tracking_uri={uri}", f"tracking.output_dir={tmp_path / 'runs'}"]

@@ -54,7 +54,7 @@ class TestAutoscalingFromZero:
         from rayfed_proto.tuning.sweep import run_sweep
 
         assert not _workers_alive()
-        # the sweep's MLflow server opens a store with its tables made (test_tune.py's sweeps create theirs)
+        # the sweep's MLflow server opens a store with its tables made (test_tune.py's interrupted sweep creates its own)
         shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
         raw = {
             "name": "scale", "num_samples": 1, "max_concurrent_trials": 2, "storage_path": str(tmp_path / "tune"),

@@ -14,6 +14,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from rayfed_proto.cli import main
 from rayfed_proto.config import load_config
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer
 from rayfed_proto.tuning.spec import parse_sweep
@@ -60,7 +61,11 @@ def _listening_addresses(port: int) -> list[str]:
             if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
 
 
-def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_session, tmp_path, monkeypatch):
+def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_session, tmp_path, monkeypatch,
+                                                                       empty_mlflow_store):
+    # the sweep's server opens a store with its tables made (the interrupted sweep's server, started
+    # by the CLI, creates its own)
+    shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
     # the sweep's own MLflow server has no authentication: it listens on loopback only, checked
     # as soon as it answers (what test_local_mlflow_server_listens_on_loopback_only checked on a
     # server of its own, with a start of its own)
@@ -122,15 +127,16 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
     assert "```" in note and "rank  trial" in note  # a padded text table, not a markdown one (issue 38)
     assert parent.data.tags["best.run_id"] == best_id
 
-    # the best config is a runnable YAML: validate it, then run it with `rayfed-proto run`
+    # the best config is a runnable YAML: validate it, then run it with `rayfed-proto run` (the CLI's
+    # entry point in this process, from the sweep's folder: no second interpreter to start and import
+    # torch, Ray and MLflow)
     cfg = load_config(result.best_yaml)
     assert cfg.algorithm.options()["lam"] == result.ranked[0]["algorithm.lam"]
     assert cfg.tracking.parent_run_id is None and cfg.tracking.tracking_uri == result.tracking_uri
     address = ray_session.get_runtime_context().gcs_address
-    cli = subprocess.run([sys.executable, "-m", "rayfed_proto.cli", "run", result.best_yaml, "--no-progress",
-                          "--set", "federation.rounds=1", "--set", f"resources.address={address}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert cli.returncode == 0, cli.stdout + cli.stderr
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", str(result.best_yaml), "--no-progress", "--set", "federation.rounds=1",
+                 "--set", f"resources.address={address}"]) == 0
     runs = [r for r in client.search_runs([client.get_experiment_by_name("tune_test").experiment_id])
             if "mlflow.parentRunId" not in r.data.tags and r.info.run_id != result.parent_run_id]
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
@@ -210,7 +216,7 @@ def test_a_failed_trial_is_retried_from_its_tune_checkpoint_not_from_scratch(ray
     """The trial fails at version 2 and its local run folder is deleted (as if its node went down
     with its disk); Tune retries it (max_failures 1) and the trial continues its run from the Tune
     checkpoint persisted under storage_path: the same MLflow run, version 0 logged once."""
-    # the sweep's server opens a store with its tables made (the other sweeps here create theirs)
+    # the sweep's server opens a store with its tables made (the interrupted sweep's CLI creates its own)
     shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
     rounds = 3
     spec = tiny_sweep(tmp_path)
