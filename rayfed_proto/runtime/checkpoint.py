@@ -156,12 +156,15 @@ def unsafe_globals(path: Path, allowed: Optional[set[str]] = None) -> list[str]:
     return [g for g in found if g not in allowed]
 
 
-def _load(path: Path, data: Optional[bytes] = None) -> Any:
+def _load(path: Path, data: Optional[bytes] = None, scan: bool = True) -> Any:
+    """``path`` (or its ``data``, already read) loaded weights_only. On failure, ``scan`` reads the
+    file for code to name it; a worker loading bytes the driver sent (``load_client_bytes``) has no
+    file to read, and the driver scanned it before the run (``check_loadable``)."""
     # weights_only: a checkpoint on shared storage must not be able to run code when loaded
     try:
         return torch.load(io.BytesIO(data) if data is not None else path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, garbage, or an object type a checkpoint never holds
-        code = unsafe_globals(path)
+        code = unsafe_globals(path) if scan else []
         if code:
             raise _refuse_code(path, code) from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -173,13 +176,8 @@ def _load(path: Path, data: Optional[bytes] = None) -> Any:
 
 def load_client_bytes(name: str, data: bytes) -> dict[str, Any]:
     """A client state from the bytes ``Checkpoint.client_bytes`` checked, loaded where it is used (a
-    worker, possibly on another node: ``name`` is for messages only). weights_only, as ``_load``;
-    the driver has already scanned the file for code (``check_loadable``)."""
-    try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot load the client state {name}: {first}") from None
+    worker, possibly on another node: ``name`` is for messages only)."""
+    return _load(Path(name), data, scan=False)
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
