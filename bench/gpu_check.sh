@@ -187,7 +187,7 @@ export PY OUT WORK BATCHED_ARGS
 export -f env_info smoke unit_tests default_run layouts_test
 step env 60 env_info
 step smoke 90 smoke
-step layouts 150 layouts_test
+step layouts 240 layouts_test
 # shellcheck disable=SC2086
 step batched_htfe1 90 "$PY" bench/batched_clients.py --device cuda --group HtFE1 --actors 4 $BATCHED_ARGS \
   --out "$OUT/batched_htfe1"
