@@ -163,6 +163,15 @@ class ClientActor:
             torch.set_rng_state(rng)
         return sorted(states)
 
+    def adopt_files(self, files: dict[int, tuple[str, int, str]], rng: torch.Tensor | None = None) -> list[int]:
+        """Park checkpointed states straight from their files where this worker can reach them
+        (``client -> (path, size, sha256)``), checked when first read; returns the clients whose
+        bytes the driver must send (:meth:`restore`)."""
+        left = self.host.adopt_files(files)
+        if rng is not None:
+            torch.set_rng_state(rng)
+        return left
+
     def evaluate(self, client_ids: list[int], state: GlobalState, as_of: dict[int, int] | None = None) -> list[dict[str, Any]]:
         """Each client after ``as_of[c]`` local updates (its newest without), against ``state``."""
         return self.host.evaluate(client_ids, state, as_of)

@@ -244,6 +244,13 @@ class Checkpoint:
         data = self.client_bytes(client_id)
         return None if data is None else _load(self.path / "clients" / f"{client_id}.pt", data)
 
+    def client_file(self, client_id: int) -> Optional[tuple[str, int, str]]:
+        """``(path, size, sha256)`` of the client's state file as the manifest lists it (None: no
+        state saved, or a manifest without checksums): what a worker on this node parks as it is
+        and checks when it first reads it (``ParkedStates.adopt``)."""
+        meta = (self.manifest.get("files") or {}).get(f"clients/{client_id}.pt")
+        return None if meta is None else (str(self.path / "clients" / f"{client_id}.pt"), meta["size"], meta["sha256"])
+
     def client_bytes(self, client_id: int) -> Optional[bytes]:
         """The client's state file as bytes, checked against the manifest's SHA-256 (None: no state
         saved). A resume sends these to the worker, which loads them (``load_client_bytes``): the

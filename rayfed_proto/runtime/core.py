@@ -14,6 +14,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
@@ -541,6 +542,24 @@ class ClientHost:
                 self.parked.put(c, st)
             else:
                 self._runner(c).load_state_dict(st)
+
+    def adopt_files(self, files: dict[int, tuple[str, int, str]]) -> list[int]:
+        """Park checkpointed states from their files (``client -> (path, size, sha256)``) without
+        reading them (:meth:`ParkedStates.adopt`); returns the clients whose state must come as
+        bytes instead (parked in memory, not parking, the file out of reach, kept states)."""
+        if not self.park:
+            return sorted(files)
+        left = []
+        for c, (path, size, sha256) in files.items():
+            kept = self.parked.adopt(c, Path(path), size, sha256)
+            if kept is None:
+                left.append(c)
+                continue
+            self.live.pop(c, None)
+            self.kept.pop(c, None)
+            if kept:
+                self.kept[c] = kept
+        return left
 
     def live_count(self) -> int:
         return len(self.live)

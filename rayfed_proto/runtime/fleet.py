@@ -269,28 +269,39 @@ class _Chained:
 
 
 def _restore_clients(workers: list[tuple[Any, list[int], Any]], ckpt, chunk: int = 32, window: int = 2) -> int:
-    """Load the checkpointed states of each ``(actor, clients, rng)`` in ``workers`` into its actor,
-    ``chunk`` clients at a time; clients without one keep their fresh start. Returns how many were
-    restored.
+    """Load the checkpointed states of each ``(actor, clients, rng)`` in ``workers`` into its actor;
+    clients without one keep their fresh start. Returns how many were restored.
 
-    The driver reads each state file and checks its SHA-256 (``ckpt.client_bytes``); the worker
-    loads the bytes and parks them. Chunks go to the workers in turn, up to ``window`` in flight
-    per worker: the driver reads the next chunk while the workers load theirs, all at once (an
-    actor runs its calls in the order sent, so the RNG state goes with its first chunk), and it
-    holds at most ``window`` chunks per worker, not every client's state."""
+    First each worker is offered the state files themselves (``ClientActor.adopt_files``): a
+    worker that parks on disk and can reach the checkpoint (the driver's node) links them into
+    its parking folder unread, and checks each against the manifest's SHA-256 when it first
+    reads it. The states it could not take come as bytes: the driver reads each file and checks
+    its SHA-256 (``ckpt.client_bytes``), the worker loads the bytes and parks them, ``chunk``
+    clients at a time, the workers served in turn, up to ``window`` chunks in flight per worker:
+    the driver reads the next chunk while the workers load theirs, and it holds at most
+    ``window`` chunks per worker, not every client's state. An actor runs its calls in the order
+    sent, so the RNG state goes with its first call."""
     saved = set(ckpt.manifest.get("clients", [])) if ckpt.manifest.get("clients") is not None else None
-    queues = []  # per worker: (actor, rng, the chunks of client ids still to send)
+    offers, todos = [], []
     for actor, clients, rng in workers:
         todo = [c for c in clients if saved is None or c in saved]
-        queues.append((actor, rng, [todo[i : i + chunk] for i in range(0, len(todo), chunk)] or [[]]))
-    restored, inflight = 0, {id(actor): [] for actor, _, _ in queues}
-    for turn in range(max(len(q[2]) for q in queues) if queues else 0):
-        for actor, rng, chunks in queues:
+        files = {c: f for c in todo if (f := ckpt.client_file(c)) is not None}
+        offers.append(actor.adopt_files.remote(files, rng))
+        todos.append((todo, files))
+    queues, restored = [], 0  # per worker: (actor, the chunks of client ids whose bytes it needs)
+    for (actor, _, _), (todo, files), left in zip(workers, todos, ray.get(offers), strict=True):
+        taken = set(files) - set(left)
+        restored += len(taken)
+        rest = [c for c in todo if c not in taken]
+        queues.append((actor, [rest[i : i + chunk] for i in range(0, len(rest), chunk)]))
+    inflight: dict[int, list] = {id(actor): [] for actor, _ in queues}
+    for turn in range(max((len(q[1]) for q in queues), default=0)):
+        for actor, chunks in queues:
             if turn >= len(chunks):
                 continue
             states = {c: data for c in chunks[turn] if (data := ckpt.client_bytes(c)) is not None}
             mine = inflight[id(actor)]
-            mine.append(actor.restore.remote(states, rng if turn == 0 else None))
+            mine.append(actor.restore.remote(states, None))
             restored += len(states)
             if len(mine) >= window:
                 ray.get(mine.pop(0))

@@ -129,34 +129,56 @@ def test_park_to_auto_is_disk_above_a_thousand_clients_and_bad_values_name_the_k
 
 
 class _Actor:
-    def __init__(self):
-        self.calls = []
+    """A worker that parks in memory: it declines every file offered, so each state comes as bytes."""
+
+    def __init__(self, adopts=()):
+        self.calls, self.offers, self.adopts = [], [], set(adopts)
         self.restore = self  # actor.restore.remote(states, rng)
+        self.adopt_files = type("Offer", (), {"remote": lambda _, files, rng=None: self._offer(files, rng)})()
+
+    def _offer(self, files, rng):
+        self.offers.append((sorted(files), rng))
+        return [c for c in files if c not in self.adopts]
 
     def remote(self, states, rng=None):
         self.calls.append((sorted(states), rng))
         return sorted(states)
 
 
-def test_a_resume_sends_client_states_in_chunks_with_the_rng_once(monkeypatch):
+def _ckpt(clients, checksummed=True):
+    files = {c: (f"/ckpt/clients/{c}.pt", 10, "ab") for c in (clients or range(1000))} if checksummed else {}
+    return type("C", (), {"manifest": {"clients": clients}, "client_bytes": lambda self, c: b"state %d" % c,
+                          "client_file": lambda self, c: files.get(c)})()
+
+
+def test_a_resume_offers_the_files_first_then_sends_the_rest_in_chunks_with_the_rng_once(monkeypatch):
     monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: ref)  # also called with the list of the last chunks
-    ckpt = type("C", (), {"manifest": {"clients": list(range(0, 140, 2))},
-                          "client_bytes": lambda self, c: b"state %d" % c})()
+    ckpt = _ckpt(list(range(0, 140, 2)))
     actor = _Actor()
     assert fleet_mod._restore_clients([(actor, list(range(100)), "R")], ckpt, chunk=20) == 50
-    assert [len(c) for c, _ in actor.calls] == [20, 20, 10] and [r for _, r in actor.calls] == ["R", None, None]
+    assert actor.offers == [(list(range(0, 100, 2)), "R")]  # the RNG goes with the first call, the offer
+    assert [len(c) for c, _ in actor.calls] == [20, 20, 10] and [r for _, r in actor.calls] == [None, None, None]
     assert sum((c for c, _ in actor.calls), []) == list(range(0, 100, 2))
     empty = _Actor()
-    assert fleet_mod._restore_clients([(empty, [1, 3], "R")], ckpt) == 0 and empty.calls == [([], "R")]
+    assert fleet_mod._restore_clients([(empty, [1, 3], "R")], ckpt) == 0
+    assert empty.offers == [([], "R")] and empty.calls == []
+    # a worker that parks on disk on the driver's node takes the files: only what it declines comes as bytes
+    taker = _Actor(adopts=range(0, 100, 4))
+    assert fleet_mod._restore_clients([(taker, list(range(100)), "R")], ckpt, chunk=20) == 50
+    assert sum((c for c, _ in taker.calls), []) == list(range(2, 100, 4))
+    # a manifest without checksums offers nothing: every state is read and checked by the driver
+    old = _Actor(adopts=range(100))
+    assert fleet_mod._restore_clients([(old, list(range(4)), "R")], _ckpt(None, checksummed=False)) == 4
+    assert old.offers == [([], "R")] and old.calls == [([0, 1, 2, 3], None)]
 
 
 def test_a_resume_keeps_two_chunks_in_flight_per_worker_and_sends_the_checked_bytes(monkeypatch):
     """The driver reads the next chunk while the workers load theirs: chunks go to the workers in
     turn, the driver waits for a worker's oldest chunk only once it has two in flight, and each
-    file's bytes are sent as read (the worker loads them); each worker's RNG goes with its first."""
+    file's bytes are sent as read (the worker loads them)."""
     events = []
-    monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: events.append(("get", ref)))
-    ckpt = type("C", (), {"manifest": {"clients": None}, "client_bytes": lambda self, c: b"state %d" % c})()
+    monkeypatch.setattr(fleet_mod.ray, "get", lambda ref: (events.append(("get", ref)), ref)[1])
+    ckpt = _ckpt(None)
 
     def worker(name):
         w = _Actor()
@@ -165,12 +187,99 @@ def test_a_resume_keeps_two_chunks_in_flight_per_worker_and_sends_the_checked_by
 
     a, b = worker("a"), worker("b")
     assert fleet_mod._restore_clients([(a, list(range(6)), "Ra"), (b, [10, 11], "Rb")], ckpt, chunk=2) == 8
+    assert (a.offers, b.offers) == ([(list(range(6)), "Ra")], [([10, 11], "Rb")])
+    assert events[0] == ("get", [list(range(6)), [10, 11]])  # both offers answered (declined) first
+    events = events[1:]
     assert [e[1:] for e in events if e[0] == "send"] == [
-        ("a", [0, 1], "Ra"), ("b", [10, 11], "Rb"), ("a", [2, 3], None), ("a", [4, 5], None)]
+        ("a", [0, 1], None), ("b", [10, 11], None), ("a", [2, 3], None), ("a", [4, 5], None)]
     assert [e[0] if e[0] == "get" else e[1] for e in events] == ["a", "b", "a", "get", "a", "get", "get"]
     assert events[3][1] == ("a", {0: b"state 0", 1: b"state 1"})  # a's oldest chunk is waited for first
     assert events[5][1] == ("a", {2: b"state 2", 3: b"state 3"})
     assert events[6][1] == [("a", {4: b"state 4", 5: b"state 5"}), ("b", {10: b"state 10", 11: b"state 11"})]
+
+
+def _checkpointed(folder: Path, c: int, state: dict) -> tuple[Path, int, str]:
+    import hashlib
+
+    path = folder / "clients" / f"{c}.pt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    data = path.read_bytes()
+    return path, len(data), hashlib.sha256(data).hexdigest()
+
+
+def test_a_checkpointed_state_is_parked_by_a_link_unread_and_checked_when_first_read(tmp_path):
+    from rayfed_proto.runtime.checkpoint import CheckpointError
+
+    store = ParkedStates.on_disk(str(tmp_path / "park"))
+    path, size, sha = _checkpointed(tmp_path / "ckpt", 3, {"model": {"w": torch.arange(4.0)}, "updates": 7})
+    assert store.adopt(3, path, size, sha) == {}  # no states kept for evaluations
+    handle = store.handle_of(3)
+    assert os.stat(handle.path).st_ino == os.stat(path).st_ino  # a hard link: nothing copied, nothing read
+    assert store.updates(3) == 7 and handle.sha256 == sha
+    assert torch.equal(store.get(3)["model"]["w"], torch.arange(4.0)) and handle.sha256 is None  # checked once
+    # damaged after the checkpoint was written (same size, one byte changed): refused when first read, naming the file
+    path4, size4, sha4 = _checkpointed(tmp_path / "ckpt", 4, {"model": {"w": torch.ones(64)}, "updates": 2})
+    assert store.adopt(4, path4, size4, sha4) == {}
+    with open(path4, "r+b") as f:
+        f.seek(size4 // 2)
+        byte = f.read(1)
+        f.seek(size4 // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match=str(path4)):
+        store.get(4)
+    # what it declines, leaving no file behind: a size other than the manifest's, a file out of
+    # reach (another node), states kept for evaluations, and a store in memory
+    path5, size5, sha5 = _checkpointed(tmp_path / "ckpt", 5, {"model": {}, "updates": 1, "kept": {0: {"model": {}}}})
+    assert store.adopt(3, path, size + 1, sha) is None
+    assert store.adopt(6, tmp_path / "elsewhere" / "6.pt", 10, sha) is None
+    assert store.adopt(5, path5, size5, sha5) is None
+    assert ParkedStates().adopt(3, path, size, sha) is None
+    assert store.files() == 2 and 5 not in store and 6 not in store
+    # kept entries naming the fresh start (None: no state needed) are taken, and the host is told
+    path7, size7, sha7 = _checkpointed(tmp_path / "ckpt", 7, {"model": {"w": torch.zeros(2)}, "updates": 3,
+                                                              "kept": {0: None}})
+    assert store.adopt(7, path7, size7, sha7) == {0: None}
+    assert "kept" not in store.get(7) and store.updates(7) == 3  # the host holds them, not the parked state
+    store.pop(7)
+    del handle
+    store.pop(3)
+    gc.collect()
+    assert path.exists() and store.files() == 1  # the parked link goes, the checkpoint's file stays
+
+
+def test_a_checkpointed_state_on_another_file_system_is_copied(tmp_path, monkeypatch):
+    store = ParkedStates.on_disk(str(tmp_path / "park"))
+    path, size, sha = _checkpointed(tmp_path / "ckpt", 1, {"model": {"w": torch.full((3,), 2.0)}, "updates": 4})
+
+    def cross_device(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", cross_device)
+    assert store.adopt(1, path, size, sha) == {}
+    assert os.stat(store.handle_of(1).path).st_ino != os.stat(path).st_ino
+    assert torch.equal(store.get(1)["model"]["w"], torch.full((3,), 2.0)) and store.updates(1) == 4
+
+
+def test_a_host_parking_on_disk_adopts_checkpointed_states_and_trains_on_them_as_if_sent(fed, tmp_path):
+    """The same client state, adopted from its file or loaded from the bytes the driver sends,
+    gives the same next local update to the bit."""
+    cfg, ds, part = fed
+    trained = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path / "a"))
+    trained.train(2, GlobalState(version=0))
+    state = trained.parked.get(2)
+    path, size, sha = _checkpointed(tmp_path / "ckpt", 2, state)
+    adopted = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path / "b"))
+    assert adopted.adopt_files({2: (str(path), size, sha), 9: (str(tmp_path / "missing.pt"), 1, "x")}) == [9]
+    sent = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path / "c"))
+    sent.load_state_dicts({2: state})
+    assert adopted.update_counts()[2] == sent.update_counts()[2] == 1
+    a, b = adopted.train(2, GlobalState(version=0)), sent.train(2, GlobalState(version=0))
+    for k, v in adopted.parked.get(2)["model"].items():
+        assert torch.equal(v, sent.parked.get(2)["model"][k]), k
+    assert a[0]["update"] == b[0]["update"] == 2
+    live = ClientHost(cfg, ds, part.clients, CPU, park=False)
+    assert live.adopt_files({2: (str(path), size, sha)}) == [2]  # not parking: the bytes path
 
 
 def test_a_client_state_that_cannot_be_loaded_names_the_file():
