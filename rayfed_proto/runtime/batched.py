@@ -168,7 +168,7 @@ class BufferStack:
             m, out = len(ids), []
             for dt, part, f in zip(self.dtypes, self.layout, self.flat, strict=True):
                 if (m, dt) not in self._patterns:
-                    sizes = torch.tensor([size for _, _, size in part], device=f.device)
+                    sizes = torch.tensor([size for _, _, size in part]).to(f.device, non_blocking=True)
                     starts = torch.cumsum(sizes, 0) - sizes  # each buffer's offset in one client's row
                     block = sizes * m
                     k = torch.repeat_interleave(torch.arange(len(part), device=f.device), block,
@@ -479,7 +479,8 @@ class BatchedUpdate:
     def _index(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The device row indices of ``ids`` (and their first prototype rows), built once per set."""
         if ids not in self._indices:
-            idx = torch.tensor(ids, device=self.device)
+            # non_blocking: torch.tensor(ids, device=cuda) would wait for the stream (a blocking copy)
+            idx = torch.tensor(ids).to(self.device, non_blocking=True)
             self._indices[ids] = (idx, idx * self.num_classes)
         return self._indices[ids]
 
@@ -540,7 +541,7 @@ class BatchedUpdate:
                 if not any(last):
                     return
                 if not all(last):
-                    record = applied & torch.tensor(last, device=applied.device)
+                    record = applied & torch.tensor(last).to(applied.device, non_blocking=True)
             self.protos.add(first_rows, record, feats, y)
 
     @torch.no_grad()
