@@ -18,7 +18,9 @@ count per step of one client times N (what N clients stepping one after another 
 each), ``batched`` the batched path's count per group step. The ``steps`` column gives the steps
 each path took in the round: per-client steps are one client's each, batched ones a whole
 group's, so ``seq steps / batched steps`` bounds the batched path's gain on a launch-bound device
-(the longest client's steps are sequential; a trailing batch of another size steps apart).
+(the longest client's steps are sequential; a trailing batch of another size steps apart). The
+distinct (clients, batch size) shapes of the batched steps are listed too: on a GPU each is a new
+set of kernel shapes (cuDNN execution plans for every convolution), built the first time it occurs.
 
 The per-client path on the CPU uses ``optim.LeanSGD`` (one op per parameter); on a GPU the runtime
 uses ``torch.optim``'s foreach kernels, so its optimizer issues fewer ops there than counted here.
@@ -55,6 +57,7 @@ class Counter(TorchDispatchMode):
         self.ops: collections.Counter = collections.Counter()  # (tag, kind) -> count
         self.names: dict = collections.defaultdict(collections.Counter)  # tag -> op name -> count
         self.drawing = False  # inside TrainBatchIterator.epoch
+        self.shapes: dict = collections.defaultdict(set)  # tag -> {(clients, batch size)} of the group steps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -121,6 +124,8 @@ def instrumented(counter: Counter):
 
     def step_group(self, group):
         counter.bump("steps")
+        if counter.tag is not None:  # (clients, batch size): each a new set of kernel shapes (cuDNN plans)
+            counter.shapes[counter.tag].add((len(group), len(group[0][1][1])))
         return saved[3](self, group)
 
     def tolist(self):
@@ -195,6 +200,9 @@ def main() -> None:
             vals = [mult * c.ops[tag, k] / max(steps, 1) for k in kinds]
             row[path] = dict(zip(kinds, [round(v, 1) for v in vals], strict=True))
             print(f"{arch:<13}{n:>3} {path:<14}{steps:>6}" + "".join(f"{v:>15.1f}" for v in vals))
+        row["batched_shapes"] = sorted(bat.shapes[("batched", arch)])
+        print(f"{'':<17}batched step shapes (clients, batch): {len(row['batched_shapes'])}: "
+              + " ".join(f"{m}x{b}" for m, b in row["batched_shapes"]))
         rows.append(row)
         if args.top:
             for name, cnt in bat.names[("batched", arch)].most_common(args.top):
