@@ -13,8 +13,10 @@ keeps everything it has when it trains alone:
   exactly as its own loop draws them. A client with fewer batches drops out of the stack when
   its update ends; batches of another size (a trailing partial batch, or one with a single
   sample folded in) step as a group of their own at the same step index;
-* its guarded step (:func:`~rayfed_proto.algorithms.base.guarded_step`): the gradient norm,
-  the skip of a non-finite step and the ``max_grad_norm`` clipping are per client;
+* its guarded step (:func:`~rayfed_proto.algorithms.base.guarded_step`): the gradient norm (of
+  the client's whole flat gradient, guarded_step's norm of per-tensor norms within rounding),
+  the skip of a non-finite step and the ``max_grad_norm`` clipping are per client, and none of
+  them reads anything on the host (the skip is a ``torch.where``);
 * its random stream: a batched update draws no random numbers (models with active dropout and
   methods that do not declare :attr:`ClientAlgorithm.batchable` run one client at a time).
 
@@ -24,6 +26,7 @@ reductions sum in another order), not bit for bit. Plain PyTorch: no Ray here, n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -94,161 +97,279 @@ def group_key(algorithm: ClientAlgorithm, model: torch.nn.Module, optimizer, bat
 # ----------------------------------------------------------------------------- stacked state
 
 
-def _per_client(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A (N,) mask shaped to broadcast over (N, ...) stacked tensors."""
-    return mask.view(-1, *([1] * (like.dim() - 1)))
+class FlatStack:
+    """The parameters of every client (one layout: same names, shapes and dtypes) as one (N, total)
+    tensor per dtype, each client's tensors flattened and concatenated in name order (the optimizer
+    state likewise). A group step gathers the stepping clients' rows, takes the gradient norm,
+    clips, updates and scatters back with one op per dtype, where a stack per tensor needs one per
+    tensor, and the gradient comes out of ``vmap`` in this layout (the backward of
+    :meth:`unflatten`'s split is one concatenation). The price: each client's tensor is a strided
+    view of its row, which some batching rules (convolution, BatchNorm, linear) copy once per step
+    before reshaping it (about 10 % more ops in a ResNet-18's vmapped forward and backward)."""
+
+    def __init__(self, per_client: list[dict[str, torch.Tensor]]):
+        first = per_client[0]
+        self.dtypes = sorted({t.dtype for t in first.values()}, key=str)
+        self.layout: list[list[tuple[str, tuple[int, ...]]]] = [
+            [(k, tuple(t.shape)) for k, t in first.items() if t.dtype == dt] for dt in self.dtypes]
+        self.sizes = [[math.prod(shape) for _, shape in part] for part in self.layout]
+        self.flat: tuple[torch.Tensor, ...] = tuple(
+            torch.stack([torch.cat([d[k].detach().reshape(-1) for k, _ in part]) for d in per_client])
+            for part in self.layout)
+
+    def unflatten(self, rows: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        """Named views of one client's flat rows (inside ``vmap``: of every client's)."""
+        out = {}
+        for part, sizes, row in zip(self.layout, self.sizes, rows, strict=True):
+            for (k, shape), chunk in zip(part, row.split(sizes, dim=-1), strict=True):
+                out[k] = chunk.view(tuple(row.shape[:-1]) + shape)
+        return out
+
+    def client(self, i: int) -> dict[str, torch.Tensor]:
+        """Client ``i``'s named tensors (views of the stack)."""
+        return self.unflatten(tuple(f[i] for f in self.flat))
+
+
+class BufferStack:
+    """Named buffers of every client as one 1-d tensor per dtype, laid out tensor by tensor, each
+    tensor's (N, ...) stack contiguous in it: ``vmap`` gets one contiguous view per buffer, which
+    BatchNorm's batching rule updates in place (it reshapes the running statistics, so a strided view
+    would be updated in a copy), and the rows of a subset of clients are gathered and scattered back
+    with one op per dtype, through element indices built once per subset."""
+
+    def __init__(self, per_client: list[dict[str, torch.Tensor]]):
+        first, self.n = (per_client[0] if per_client else {}), len(per_client)
+        self.dtypes = sorted({t.dtype for t in first.values()}, key=str)
+        self.layout = [[(k, tuple(t.shape), t.numel()) for k, t in first.items() if t.dtype == dt] for dt in self.dtypes]
+        self.flat: tuple[torch.Tensor, ...] = tuple(
+            torch.cat([torch.stack([d[k].detach().reshape(-1) for d in per_client]).reshape(-1) for k, _, _ in part])
+            for part in self.layout)
+        self._elements: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}
+        self._patterns: dict[tuple[int, torch.dtype], tuple[torch.Tensor, ...]] = {}
+
+    def views(self, flat: tuple[torch.Tensor, ...], m: int) -> dict[str, torch.Tensor]:
+        """Each buffer's (m, ...) stack in ``flat`` (the whole stack's, or :meth:`gather`'s for m clients)."""
+        out = {}
+        for part, f in zip(self.layout, flat, strict=True):
+            start = 0
+            for k, shape, size in part:
+                out[k] = f[start:start + m * size].view((m, *shape))
+                start += m * size
+        return out
+
+    def client(self, i: int) -> dict[str, torch.Tensor]:
+        """Client ``i``'s named buffers (views of the stack)."""
+        return {k: v[i] for k, v in self.views(self.flat, self.n).items()}
+
+    def _element_index(self, ids: tuple[int, ...], idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Where each element of the gathered layout for clients ``idx`` sits in the stack: a few ops
+        per set of clients, over all buffers at once (the pattern per number of clients is kept)."""
+        if ids not in self._elements:
+            m, out = len(ids), []
+            for dt, part, f in zip(self.dtypes, self.layout, self.flat, strict=True):
+                if (m, dt) not in self._patterns:
+                    sizes = torch.tensor([size for _, _, size in part]).to(f.device, non_blocking=True)
+                    starts = torch.cumsum(sizes, 0) - sizes  # each buffer's offset in one client's row
+                    block = sizes * m
+                    k = torch.repeat_interleave(torch.arange(len(part), device=f.device), block,
+                                                output_size=len(f) // self.n * m)
+                    within = torch.arange(len(k), device=f.device) - (torch.cumsum(block, 0) - block)[k]
+                    size = sizes[k]
+                    row = torch.div(within, size, rounding_mode="floor")
+                    self._patterns[m, dt] = (starts[k] * self.n + within - row * size, row, size)
+                base, row, size = self._patterns[m, dt]
+                out.append(base + idx[row] * size)
+            self._elements[ids] = tuple(out)
+        return self._elements[ids]
+
+    def gather(self, ids: tuple[int, ...], idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(f[e] for f, e in zip(self.flat, self._element_index(ids, idx), strict=True))
+
+    def scatter(self, ids: tuple[int, ...], idx: torch.Tensor, rows: tuple[torch.Tensor, ...]) -> None:
+        for f, e, r in zip(self.flat, self._element_index(ids, idx), rows, strict=True):
+            f.index_copy_(0, e, r)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """A (n,) per-client tensor shaped to broadcast over (n, total) flat rows."""
+    return x.view(-1, 1)
 
 
 class StackedOptimizer:
     """``training.optimizer`` (SGD with momentum, dampening, Nesterov and weight decay, or Adam) on
-    stacked parameters: :mod:`rayfed_proto.optim`'s arithmetic on the rows of the clients whose
-    step was applied, the others left as their own optimizers would have left them. When every
-    client steps (the common case) the update runs in place on the whole stack, op for op as
-    :class:`~rayfed_proto.optim.LeanSGD`/:class:`~rayfed_proto.optim.LeanAdam` run it on one
-    client. Per-client bookkeeping (momentum started, Adam's step count) stays on the host, so
-    Adam's bias corrections are the same Python floats as alone. State is read from and written
-    back to the clients' own optimizers, in their format."""
+    flat stacked parameters (:class:`FlatStack`): :mod:`rayfed_proto.optim`'s arithmetic on the rows
+    of a group step, with a client whose step was not applied (non-finite) left as its own optimizer
+    would have left it by ``torch.where`` on the device, so a step reads nothing on the host. The
+    per-client bookkeeping (momentum started, Adam's step count) is a device tensor too, and Adam's
+    bias corrections are computed per row in float64 from it. State is read from and written back
+    to the clients' own optimizers, in their format (one host read, at the end)."""
 
-    def __init__(self, members: list[Member], names: list[str], params: dict[str, torch.Tensor]):
+    def __init__(self, members: list[Member], names: list[str], params: FlatStack):
         self.kind = _optimizer_kind(members[0].optimizer)
         self.group = members[0].optimizer.param_groups[0]
-        self.names, self.n = names, len(members)
-        per_client = [list(m.optimizer.param_groups[0]["params"]) for m in members]
-        self.state: dict[str, dict[str, Any]] = {}
-        for j, name in enumerate(names):
-            states = [m.optimizer.state.get(ps[j], {}) for m, ps in zip(members, per_client, strict=True)]
-            self.state[name] = self._gather(states, params[name])
-
-    def _gather(self, states: list[dict[str, Any]], p: torch.Tensor) -> dict[str, Any]:
-        def stack(key: str) -> torch.Tensor:
-            return torch.stack([s[key].to(p.device, p.dtype) if s.get(key) is not None else torch.zeros_like(p[0])
-                                for s in states])
-
+        self.names, self.n, self.stack = names, len(members), params
+        device = params.flat[0].device
+        self._zero = torch.zeros((), device=device)  # torch.where's other value (a Python 0.0 costs an op a call)
+        # float64 for the step counts and bias corrections, as the Python floats of LeanAdam (not on MPS)
+        self.count_dtype = torch.float32 if device.type == "mps" else torch.float64
+        per_client = [dict(zip(names, m.optimizer.param_groups[0]["params"], strict=True)) for m in members]
+        states = [{k: m.optimizer.state.get(p, {}) for k, p in ps.items()} for m, ps in zip(members, per_client, strict=True)]
         if self.kind == _SGD:
-            return {"momentum_buffer": stack("momentum_buffer"),
-                    "has": [s.get("momentum_buffer") is not None for s in states]}
-        return {"exp_avg": stack("exp_avg"), "exp_avg_sq": stack("exp_avg_sq"),
-                "step": [float(s["step"]) if "step" in s else 0.0 for s in states]}
+            self.buf = self._gather(states, "momentum_buffer")
+            # a client's momentum has started when its optimizer holds buffers (torch's SGD creates them
+            # for every parameter with a gradient, and every parameter gets one in a batched step)
+            self.has = torch.tensor([any(s.get("momentum_buffer") is not None for s in st.values()) for st in states],
+                                    device=device)
+        else:
+            self.exp_avg, self.exp_avg_sq = self._gather(states, "exp_avg"), self._gather(states, "exp_avg_sq")
+            self.steps = torch.tensor([next((float(s["step"]) for s in st.values() if "step" in s), 0.0) for st in states],
+                                      dtype=self.count_dtype, device=device)
+
+    def _gather(self, states: list[dict[str, dict]], key: str) -> tuple[torch.Tensor, ...]:
+        flat = []
+        for part, sizes, f in zip(self.stack.layout, self.stack.sizes, self.stack.flat, strict=True):
+            rows = []
+            for st in states:
+                chunks = [st[k][key].detach().to(f.device, f.dtype).reshape(-1) if st[k].get(key) is not None
+                          else f.new_zeros(size) for (k, _), size in zip(part, sizes, strict=True)]
+                rows.append(torch.cat(chunks) if chunks else f.new_zeros(0))
+            flat.append(torch.stack(rows))
+        return tuple(flat)
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], rows: list[int]) -> None:
-        """Update the clients ``rows`` (``grads``: theirs, in that order)."""
-        if not rows:
-            return
-        every = rows == list(range(self.n))
-        index = torch.tensor(rows, device=next(iter(params.values())).device)
-        for name in self.names:
-            update = self._sgd if self.kind == _SGD else self._adam
-            update(params[name], grads[name], self.state[name], rows, None if every else index)
+    def step(self, params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], idx: torch.Tensor,
+             whole: bool, applied: torch.Tensor) -> None:
+        """Update rows ``idx`` of the stack (``params``: their values, the stack itself when
+        ``whole``; ``grads``: theirs), each only where ``applied``."""
+        ok = _rows(applied)
+        if self.kind == _SGD:
+            momentum = self.group["momentum"] != 0
+            started = (self.has if whole else self.has[idx]) if momentum else None
+            for j, (p, g) in enumerate(zip(params, grads, strict=True)):
+                self._sgd(j, p, g, idx, whole, ok, _rows(started) if momentum else None)
+            if momentum:
+                if whole:
+                    self.has.logical_or_(applied)
+                else:
+                    self.has.index_copy_(0, idx, started | applied)
+        else:
+            old = self.steps if whole else self.steps[idx]
+            step = old + 1
+            for j, (p, g) in enumerate(zip(params, grads, strict=True)):
+                self._adam(j, p, g, idx, whole, ok, step)
+            new = torch.where(applied, step, old)
+            if whole:
+                self.steps.copy_(new)
+            else:
+                self.steps.index_copy_(0, idx, new)
 
-    def _sgd(self, p_all, grad, state, rows, index):
+    def _store(self, into: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor, whole: bool) -> None:
+        if whole:
+            into.copy_(rows)
+        else:
+            into.index_copy_(0, idx, rows)
+
+    def _apply(self, j: int, p: torch.Tensor, direction: torch.Tensor, alpha: float | torch.Tensor, idx: torch.Tensor,
+               whole: bool, ok: torch.Tensor) -> None:
+        """p += alpha * direction on the applied rows (an unapplied row adds 0: unchanged); a float
+        ``alpha`` is the add the client's own optimizer makes (``add_(grad, alpha=-lr)``), op for op."""
+        direction = torch.where(ok, direction, self._zero)
+        if isinstance(alpha, torch.Tensor):
+            new = p.addcmul_(direction, alpha) if whole else p.addcmul(direction, alpha)
+        else:
+            new = p.add_(direction, alpha=alpha) if whole else p.add(direction, alpha=alpha)
+        if not whole:
+            self.stack.flat[j].index_copy_(0, idx, new)
+
+    def _sgd(self, j, p, grad, idx, whole, ok, started):
         # torch.optim.SGD / optim.LeanSGD on the rows
         g = self.group
-        p = p_all if index is None else p_all[index]
         if g["weight_decay"] != 0:
             grad = grad.add(p, alpha=g["weight_decay"])
         if g["momentum"] != 0:
-            buf_all, has = state["momentum_buffer"], state["has"]
-            started = [has[r] for r in rows]
-            if index is None and all(started):
-                buf = buf_all.mul_(g["momentum"]).add_(grad, alpha=1 - g["dampening"])
-            else:
-                old = buf_all if index is None else buf_all[index]
-                if any(started):
-                    started_t = torch.tensor(started, device=p.device).view(-1, *([1] * (p.dim() - 1)))
-                    buf = torch.where(started_t, old.mul(g["momentum"]).add(grad, alpha=1 - g["dampening"]), grad)
-                else:
-                    buf = grad.detach().clone()
-                if index is None:
-                    buf_all.copy_(buf)
-                else:
-                    buf_all.index_copy_(0, index, buf)
-            for r in rows:
-                has[r] = True
+            old = self.buf[j] if whole else self.buf[j][idx]
+            buf = torch.where(started, old.mul(g["momentum"]).add_(grad, alpha=1 - g["dampening"]), grad)
+            self._store(self.buf[j], torch.where(ok, buf, old), idx, whole)
             grad = grad.add(buf, alpha=g["momentum"]) if g["nesterov"] else buf
-        if index is None:
-            p_all.add_(grad, alpha=-g["lr"])
-        else:
-            p_all.index_copy_(0, index, p.add(grad, alpha=-g["lr"]))
+        self._apply(j, p, grad, -g["lr"], idx, whole, ok)
 
-    def _adam(self, p_all, grad, state, rows, index):
-        # torch.optim.Adam / optim.LeanAdam (Kingma & Ba, Alg. 1, coupled weight decay) on the rows
+    def _adam(self, j, p, grad, idx, whole, ok, step):
+        # torch.optim.Adam / optim.LeanAdam (Kingma & Ba, Alg. 1, coupled weight decay) on the rows,
+        # each with its own step count
         g = self.group
         beta1, beta2 = g["betas"]
-        p = p_all if index is None else p_all[index]
-        exp_avg = state["exp_avg"] if index is None else state["exp_avg"][index]
-        exp_avg_sq = state["exp_avg_sq"] if index is None else state["exp_avg_sq"][index]
-        for r in rows:
-            state["step"][r] += 1
-        steps = [state["step"][r] for r in rows]
+        neg_step_size = _rows((-g["lr"] / (1 - torch.pow(beta1, step))).to(p.dtype))
+        bias_correction2_sqrt = _rows((1 - torch.pow(beta2, step)).sqrt().to(p.dtype))
         if g["weight_decay"] != 0:
             grad = grad.add(p, alpha=g["weight_decay"])
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        if len(set(steps)) == 1:  # one step count: the scalars LeanAdam computes
-            step_size = g["lr"] / (1 - beta1 ** steps[0])
-            denom = (exp_avg_sq.sqrt() / (1 - beta2 ** steps[0]) ** 0.5).add_(g["eps"])
-            new = p.addcdiv_(exp_avg, denom, value=-step_size) if index is None else p.addcdiv(exp_avg, denom,
-                                                                                               value=-step_size)
-        else:
-            shape = (-1, *([1] * (p.dim() - 1)))
-            step_size = torch.tensor([g["lr"] / (1 - beta1**s) for s in steps], dtype=p.dtype, device=p.device)
-            bc2 = torch.tensor([(1 - beta2**s) ** 0.5 for s in steps], dtype=p.dtype, device=p.device)
-            denom = (exp_avg_sq.sqrt() / bc2.view(shape)).add_(g["eps"])
-            new = p - step_size.view(shape) * exp_avg / denom
-            if index is None:
-                p_all.copy_(new)
-        if index is not None:
-            p_all.index_copy_(0, index, new)
-            state["exp_avg"].index_copy_(0, index, exp_avg)
-            state["exp_avg_sq"].index_copy_(0, index, exp_avg_sq)
+        m_old = self.exp_avg[j] if whole else self.exp_avg[j][idx]
+        v_old = self.exp_avg_sq[j] if whole else self.exp_avg_sq[j][idx]
+        m = m_old.lerp(grad, 1 - beta1)
+        v = v_old.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (v.sqrt() / bias_correction2_sqrt).add_(g["eps"])
+        self._store(self.exp_avg[j], torch.where(ok, m, m_old), idx, whole)
+        self._store(self.exp_avg_sq[j], torch.where(ok, v, v_old), idx, whole)
+        self._apply(j, p, m.div(denom), neg_step_size, idx, whole, ok)
 
     def write_back(self, members: list[Member]) -> None:
         """Each client's optimizer state as its own optimizer would hold it (absent where it never stepped)."""
+        if self.kind == _SGD:
+            if self.group["momentum"] == 0:
+                return
+            has, state = self.has.tolist(), self.buf
+        else:
+            has, state = self.steps.tolist(), (self.exp_avg, self.exp_avg_sq)
         for i, m in enumerate(members):
+            if not has[i]:
+                continue
+            if self.kind == _SGD:
+                views = [(k, {"momentum_buffer": v}) for k, v in self.stack.unflatten(tuple(f[i] for f in state)).items()]
+            else:
+                avg = self.stack.unflatten(tuple(f[i] for f in state[0]))
+                avg_sq = self.stack.unflatten(tuple(f[i] for f in state[1]))
+                views = [(k, {"step": torch.tensor(has[i], dtype=torch.float32), "exp_avg": avg[k],
+                              "exp_avg_sq": avg_sq[k]}) for k in avg]
+            views = dict(views)
             for name, p in zip(self.names, m.optimizer.param_groups[0]["params"], strict=True):
-                st = self.state[name]
-                if self.kind == _SGD:
-                    if st["has"][i] and self.group["momentum"] != 0:
-                        m.optimizer.state[p] = {"momentum_buffer": torch.empty_like(p).copy_(st["momentum_buffer"][i])}
-                elif st["step"][i] > 0:
-                    m.optimizer.state[p] = {"step": torch.tensor(st["step"][i], dtype=torch.float32),
-                                            "exp_avg": torch.empty_like(p).copy_(st["exp_avg"][i]),
-                                            "exp_avg_sq": torch.empty_like(p).copy_(st["exp_avg_sq"][i])}
+                m.optimizer.state[p] = {k: v if k == "step" else torch.empty_like(p).copy_(v)
+                                        for k, v in views[name].items()}
 
 
 class StackedTally:
     """:class:`~rayfed_proto.algorithms.base.StepTally` per client: loss terms summed over each
-    client's applied steps (on the device), skipped steps counted."""
+    client's applied steps and the applied and skipped steps counted, in one (N, terms + 2) matrix
+    on the device (a few ops a step, read once at the end)."""
 
     def __init__(self, n: int, device: torch.device):
-        self.loss = torch.zeros(n, device=device)
-        self.terms: dict[str, torch.Tensor] = {}
-        self.steps = torch.zeros(n, dtype=torch.int64, device=device)
-        self.skipped = torch.zeros(n, dtype=torch.int64, device=device)
+        self.n, self.device = n, device
+        self.keys: Optional[list[str]] = None
+        self.sums: Optional[torch.Tensor] = None  # columns: loss, terms..., applied steps, skipped steps
+        self._zero = torch.zeros((), device=device)
 
     def add(self, idx: torch.Tensor, applied: torch.Tensor, loss: torch.Tensor, terms: dict[str, torch.Tensor]) -> None:
-        ok = torch.zeros_like(self.steps, dtype=torch.bool).index_copy(0, idx, applied)
-        stepped = torch.zeros_like(self.steps, dtype=torch.bool).index_fill(0, idx, True)
-        self.steps += ok.long()
-        self.skipped += (stepped & ~ok).long()
-        self.loss = torch.where(ok, self.loss.index_add(0, idx, torch.where(applied, loss, 0.0)), self.loss)
-        for k, v in terms.items():
-            total = self.terms.get(k, torch.zeros_like(self.loss))
-            self.terms[k] = torch.where(ok, total.index_add(0, idx, torch.where(applied, v.float(), 0.0)), total)
+        if self.keys is None:
+            self.keys = list(terms)
+            self.sums = torch.zeros(self.n, len(self.keys) + 3, device=self.device)
+        vals = torch.where(_rows(applied), torch.stack([loss.float(), *(terms[k].float() for k in self.keys)], 1), self._zero)
+        counts = torch.stack([applied, ~applied], 1).to(vals.dtype)
+        self.sums.index_add_(0, idx, torch.cat([vals, counts], 1))
 
     def results(self) -> list[dict[str, float]]:
-        steps, skipped = self.steps.tolist(), self.skipped.tolist()
-        loss = self.loss.tolist()
-        terms = {k: v.tolist() for k, v in self.terms.items()}
+        if self.sums is None:
+            return [{"loss": 0.0, "nonfinite_steps": 0.0} for _ in range(self.n)]
         out = []
-        for i, n in enumerate(steps):
-            row = {"loss": loss[i] / max(n, 1)}
+        for row in self.sums.tolist():
+            n = int(row[-2])
+            values = {"loss": row[0] / max(n, 1)}
             if n:  # as StepTally: a client with no applied step has no terms
-                row.update({k: v[i] / n for k, v in terms.items()})
-            row["nonfinite_steps"] = float(skipped[i])
-            out.append(row)
+                values.update({k: v / n for k, v in zip(self.keys, row[1:-2], strict=True)})
+            values["nonfinite_steps"] = float(row[-1])
+            out.append(values)
         return out
+
+    @property
+    def steps(self) -> list[int]:
+        return [0] * self.n if self.sums is None else [int(s) for s in self.sums[:, -2].tolist()]
 
 
 class StackedPrototypes:
@@ -260,8 +381,10 @@ class StackedPrototypes:
         self.normalize = bool(getattr(members[0].model, "normalize", False))
         self.sums: Optional[torch.Tensor] = None  # (N * C, D)
         self.counts: Optional[torch.Tensor] = None  # (N * C,)
+        self._zero = torch.zeros(())
 
-    def add(self, idx: torch.Tensor, applied: torch.Tensor, feats: torch.Tensor, y: torch.Tensor) -> None:
+    def add(self, first_rows: torch.Tensor, applied: torch.Tensor, feats: torch.Tensor, y: torch.Tensor) -> None:
+        """``first_rows``: (n,) each stepping client's first row (client index times C)."""
         if self.normalize:
             feats = torch.nn.functional.normalize(feats, dim=-1)  # what ProtoModel.features returns
         feats = feats.float()
@@ -269,9 +392,10 @@ class StackedPrototypes:
             n = len(self.members) * self.num_classes
             self.sums = torch.zeros(n, feats.shape[-1], device=feats.device)
             self.counts = torch.zeros(n, device=feats.device)
-        rows = (idx.to(y.device)[:, None] * self.num_classes + y).reshape(-1)
+            self._zero = self._zero.to(feats.device)
+        rows = (first_rows[:, None] + y).reshape(-1)
         keep = applied[:, None].expand_as(y).reshape(-1)
-        self.sums.index_add_(0, rows, torch.where(keep[:, None], feats.reshape(-1, feats.shape[-1]), 0.0))
+        self.sums.index_add_(0, rows, torch.where(keep[:, None], feats.reshape(-1, feats.shape[-1]), self._zero))
         self.counts.index_add_(0, rows, keep.float())
 
     def hand_over(self, steps: list[int]) -> None:
@@ -307,39 +431,58 @@ def _batches(member: Member, epochs: int) -> Iterator[tuple[torch.Tensor, torch.
             yield xb, yb, epoch == epochs - 1
 
 
-def _stack(members: list[Member], named: str) -> dict[str, torch.Tensor]:
-    per_client = [dict(getattr(m.model, named)()) for m in members]
-    return {"model." + k: torch.stack([d[k].detach() for d in per_client]) for k in per_client[0]}
+def _named(members: list[Member], named: str) -> list[dict[str, torch.Tensor]]:
+    return [{"model." + k: v for k, v in getattr(m.model, named)()} for m in members]
 
 
 class BatchedUpdate:
     """One local update of every member, stepping together; :meth:`run` returns each client's
-    training terms, in member order, as its own ``local_train`` would."""
+    training terms, in member order, as its own ``local_train`` would.
+
+    A group step issues the ops of one client's step (on stacked tensors) plus a fixed few: the
+    parameters, buffers and optimizer state are flat stacks (:class:`FlatStack`, one tensor per
+    dtype), so gathering the stepping clients' rows, the gradient norm, clipping, the update and
+    the scatter back are one op each, whatever the number of parameter tensors; the clients'
+    row indices are built once per set of clients (not per step), and the non-finite skip is a
+    ``torch.where``: no host read in a step."""
 
     def __init__(self, members: list[Member], epochs: int, device: torch.device):
         self.members, self.epochs, self.device = members, epochs, device
+        self.n = len(members)
         lead = members[0]
         # the loss reads only the model, the batch and the received state (ClientAlgorithm.batchable):
         # the first client's instance computes it for all of them
         self.objective = _Objective(lead.model, lead.algorithm)
-        self.params, self.buffers = _stack(members, "named_parameters"), _stack(members, "named_buffers")
-        self.names = list(self.params)
+        self.params = FlatStack(_named(members, "named_parameters"))
+        self.buffers = BufferStack(_named(members, "named_buffers"))
+        self.names = ["model." + k for k, _ in lead.model.named_parameters()]
         self.optimizer = StackedOptimizer(members, self.names, self.params)
         self.max_norm = getattr(lead.optimizer, "max_grad_norm", None)
-        self.tally = StackedTally(len(members), device)
+        self.tally = StackedTally(self.n, device)
         source = lead.algorithm.prototype_source()
         collect = source in ("train", "train_last_epoch") and hasattr(lead.model, "projection")
         self.last_epoch_only = source == "train_last_epoch"
-        self.protos = StackedPrototypes(members, lead.algorithm.spec.num_classes) if collect else None
+        self.num_classes = lead.algorithm.spec.num_classes
+        self.protos = StackedPrototypes(members, self.num_classes) if collect else None
         self._recorded: list[torch.Tensor] = []
+        self._indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._step = vmap(grad_and_value(self._loss, has_aux=True))
 
     def _loss(self, params, buffers, x, y):
         self._recorded.clear()
-        loss, terms = functional_call(self.objective, (params, buffers), (x, y))
+        named = {**self.params.unflatten(params), **buffers}
+        loss, terms = functional_call(self.objective, named, (x, y))
         terms = {k: torch.as_tensor(v, dtype=torch.float32, device=x.device).detach() for k, v in terms.items()}
         feats = self._recorded[0] if len(self._recorded) == 1 else x.new_zeros(0)
         return loss, (loss.detach(), terms, feats)
+
+    def _index(self, ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device row indices of ``ids`` (and their first prototype rows), built once per set."""
+        if ids not in self._indices:
+            # non_blocking: torch.tensor(ids, device=cuda) would wait for the stream (a blocking copy)
+            idx = torch.tensor(ids).to(self.device, non_blocking=True)
+            self._indices[ids] = (idx, idx * self.num_classes)
+        return self._indices[ids]
 
     def run(self) -> list[dict[str, float]]:
         for m in self.members:
@@ -349,7 +492,7 @@ class BatchedUpdate:
             lambda _m, _i, out: self._recorded.append(out)) if self.protos is not None else None
         try:
             streams = [_batches(m, self.epochs) for m in self.members]
-            active = list(range(len(self.members)))
+            active = list(range(self.n))
             while active:
                 drawn = [(i, next(streams[i], None)) for i in active]
                 active = [i for i, b in drawn if b is not None]
@@ -368,30 +511,25 @@ class BatchedUpdate:
     def _step_group(self, group: list[tuple[int, tuple]]) -> None:
         """One step of the clients in ``group`` (their batches have one size), as each one's
         guarded step: gradients, per-client norm, skip when non-finite, clipping, update."""
-        n = len(self.members)
-        ids = [i for i, _ in group]
-        idx = torch.tensor(ids, device=self.device)
-        whole = ids == list(range(n))
+        ids = tuple(i for i, _ in group)
+        idx, first_rows = self._index(ids)
+        whole = len(ids) == self.n  # ids: distinct and increasing
         x = torch.stack([b[0] for _, b in group]).to(self.device, non_blocking=True)
         y = torch.stack([b[1] for _, b in group]).to(self.device, non_blocking=True)
-        params = self.params if whole else {k: v[idx] for k, v in self.params.items()}
-        buffers = self.buffers if whole else {k: v[idx] for k, v in self.buffers.items()}
-        grads, (_, (loss, terms, feats)) = self._step(params, buffers, x, y)
+        params = self.params.flat if whole else tuple(f[idx] for f in self.params.flat)
+        buffers = self.buffers.flat if whole else self.buffers.gather(ids, idx)
+        grads, (_, (loss, terms, feats)) = self._step(params, self.buffers.views(buffers, len(ids)), x, y)
         if not whole:  # BatchNorm's running statistics were updated in the gathered copies
-            for k, v in buffers.items():
-                self.buffers[k].index_copy_(0, idx, v)
+            self.buffers.scatter(ids, idx, buffers)
         # algorithms.base.guarded_step, per client: one gradient norm, finiteness, clipping
-        norms = torch.stack([g.flatten(1).norm(dim=1) for g in grads.values()], 1).norm(dim=1)
+        norms = torch.linalg.vector_norm(grads[0], dim=1) if len(grads) == 1 else torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, dim=1) for g in grads], 1), dim=1)
         applied = torch.isfinite(norms + loss)
         if self.max_norm is not None:
-            coef = (self.max_norm / (norms + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grads_with_norm_
-            for g in grads.values():
-                g.mul_(_per_client(coef, g))
-        ok = applied.tolist()  # the step's one host read, as guarded_step's (one per group, not per client)
-        if not all(ok):
-            keep = torch.tensor([j for j, a in enumerate(ok) if a], dtype=torch.long, device=self.device)
-            grads = {k: g[keep] for k, g in grads.items()}
-        self.optimizer.step(self.params, grads, [i for i, a in zip(ids, ok, strict=True) if a])
+            coef = _rows((self.max_norm / (norms + 1e-6)).clamp(max=1.0))  # torch.nn.utils.clip_grads_with_norm_
+            grads = tuple(g.mul_(coef.to(g.dtype)) for g in grads)
+        # a non-finite client's rows are left as they are by torch.where: no host read here
+        self.optimizer.step(params, grads, idx, whole, applied)
         self.tally.add(idx, applied, loss, terms)
         if self.protos is not None:
             if feats.numel() == 0:
@@ -399,20 +537,25 @@ class BatchedUpdate:
                                    "model.features per step; this method's loss does otherwise: use prototype_source 'eval'")
             record = applied
             if self.last_epoch_only:  # ClientAlgorithm.local_train: only the last epoch's passes
-                record = applied & torch.tensor([b[2] for _, b in group], device=applied.device)
-            self.protos.add(idx, record, feats, y)
+                last = [b[2] for _, b in group]
+                if not any(last):
+                    return
+                if not all(last):
+                    record = applied & torch.tensor(last).to(applied.device, non_blocking=True)
+            self.protos.add(first_rows, record, feats, y)
 
     @torch.no_grad()
     def _write_back(self) -> None:
         """The stacked state back into each client's model, optimizer and algorithm."""
         for i, m in enumerate(self.members):
+            params, buffers = self.params.client(i), self.buffers.client(i)
             for k, p in m.model.named_parameters():
-                p.copy_(self.params["model." + k][i])
+                p.copy_(params["model." + k])
             for k, b in m.model.named_buffers():
-                b.copy_(self.buffers["model." + k][i])
+                b.copy_(buffers["model." + k])
         self.optimizer.write_back(self.members)
         if self.protos is not None:
-            self.protos.hand_over(self.tally.steps.tolist())
+            self.protos.hand_over(self.tally.steps)
 
 
 def train_together(members: list[Member], epochs: int, device: torch.device) -> list[dict[str, float]]:
