@@ -893,7 +893,7 @@ def group_is_homogeneous(group: str, num_clients: int) -> bool:
     from rayfed_proto.models import MODEL_GROUPS
 
     archs = MODEL_GROUPS.get(group)
-    return len({archs[i % len(archs)] for i in range(num_clients)}) == 1
+    return len(set(archs[:num_clients])) == 1  # the first min(num_clients, len(archs)) are every one used
 
 
 def clients_per_round(cfg: ExperimentConfig) -> int:

@@ -145,3 +145,11 @@ def test_fedtgp_aggregates_every_clients_latest_upload_by_default_in_async_mode_
     # a value the user sets wins; other methods keep their own default
     assert build_config({}, ["algorithm.aggregation_scope=buffer"]).algorithm_options().aggregation_scope == "buffer"
     assert build_config({}, ["algorithm.name=fedproto"]).algorithm_options().aggregation_scope == "buffer"
+
+
+def test_a_group_is_homogeneous_when_the_clients_it_names_share_one_architecture():
+    from rayfed_proto.config import group_is_homogeneous
+
+    # client i gets archs[i % len(archs)]: HtFE8's first client alone is one architecture, two are two
+    assert group_is_homogeneous("HtFE1", 10_000) and group_is_homogeneous("HtFE8", 1)
+    assert not group_is_homogeneous("HtFE8", 2) and not group_is_homogeneous("HtFE8", 10_000)
