@@ -161,11 +161,16 @@ def register_backbone(name: str, help: str) -> Callable[[BackboneFactory], Backb
     """
 
     def decorator(make_backbone: BackboneFactory) -> BackboneFactory:
+        dims: dict[tuple[int, int], int] = {}  # the dry run once per input shape: a worker builds its clients' models often
+
         def builder(in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
                     projector: str = "pool", normalize: bool = False) -> ProtoModel:
             backbone = make_backbone(in_channels, image_size)
-            dim = _output_dim(name, backbone, in_channels, image_size)
-            return ProtoModel(name, backbone, dim, feature_dim, num_classes, projector, normalize)
+            if (in_channels, image_size) not in dims or any(isinstance(m, nn.modules.lazy.LazyModuleMixin)
+                                                           for m in backbone.modules()):
+                dims[in_channels, image_size] = _output_dim(name, backbone, in_channels, image_size)
+            return ProtoModel(name, backbone, dims[in_channels, image_size], feature_dim, num_classes, projector,
+                              normalize)
 
         builder.__name__ = builder.__qualname__ = f"build_{name}"
         builder.__doc__ = help

@@ -208,3 +208,27 @@ def test_a_model_on_meta_is_dry_run_on_an_uninitialised_cpu_copy_and_stays_on_me
     assert count_macs(copy, (1, 1, 28, 28)) == count_macs(cpu, (1, 1, 28, 28))
     plain = nn.Linear(2, 2)
     assert _on_cpu_if_meta(plain) is plain
+
+
+def test_the_backbone_width_is_measured_once_per_input_shape(monkeypatch):
+    """A worker builds a client's model at every materialisation (10,000 clients: 10,000 builds per
+    evaluation of all of them); the dry run that measures the backbone's width runs once per shape."""
+    from rayfed_proto.models import ARCHITECTURES, zoo
+
+    calls = []
+    real = zoo._output_dim
+    monkeypatch.setattr(zoo, "_output_dim", lambda *a: calls.append(a[2:]) or real(*a))
+
+    @zoo.register_backbone("_width_probe", help="a test backbone")
+    def _probe(in_channels, image_size):
+        return torch.nn.Sequential(torch.nn.Conv2d(in_channels, 4, 3), torch.nn.Flatten())
+
+    try:
+        build = ARCHITECTURES.get("_width_probe")
+        first, again, other = build(1, 8, 10, 16), build(1, 8, 10, 16), build(1, 10, 10, 16)
+        assert calls == [(1, 8), (1, 10)]
+        assert first.backbone_dim == again.backbone_dim == 4 * 6 * 6 and other.backbone_dim == 4 * 8 * 8
+        assert first(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    finally:
+        ARCHITECTURES._items.pop("_width_probe", None)  # the registry has no public removal: tests only
+        ARCHITECTURES._help.pop("_width_probe", None)
