@@ -23,8 +23,6 @@ No Ray here.
 from __future__ import annotations
 
 import copy
-import hashlib
-import io
 import os
 import shutil
 import tempfile
@@ -34,24 +32,22 @@ from typing import Any, Optional, Union
 
 import torch
 
-from rayfed_proto.runtime import checkpoint  # noqa: F401  (registers the globals a state may hold)
+from rayfed_proto.runtime import checkpoint  # registers the globals a state may hold; its SHA-256
 
 SUBDIR = "rayfed_proto-parked"
 
 
 class OnDisk:
     """One parked state in a file of its own; the file goes with the last reference to this handle.
-
     A state adopted from a checkpoint (:meth:`ParkedStates.adopt`: the checkpoint's own file,
-    hard-linked or copied, not read) carries the SHA-256 the checkpoint's manifest gives for it,
-    and its first :meth:`load` checks the bytes against it before loading them."""
+    hard-linked or copied, checked, not loaded) is read without the entries kept for evaluations
+    it may list: its host took those at adoption."""
 
-    __slots__ = ("path", "updates", "sha256", "source", "__weakref__")
+    __slots__ = ("path", "updates", "adopted", "__weakref__")
 
-    def __init__(self, path: Path, state: Optional[dict[str, Any]], updates: Optional[int] = None,
-                 sha256: Optional[str] = None, source: Optional[str] = None):
-        self.path, self.sha256, self.source = path, sha256, source
-        self.updates = int(state.get("updates", 0)) if state is not None else int(updates or 0)
+    def __init__(self, path: Path, state: Optional[dict[str, Any]], updates: int = 0):
+        self.path, self.adopted = path, state is None
+        self.updates = int(state.get("updates", 0)) if state is not None else int(updates)
         if state is not None:
             try:
                 torch.save(state, path)  # not fsynced: a parked state need not survive the machine, only the process
@@ -64,22 +60,9 @@ class OnDisk:
 
     def load(self) -> dict[str, Any]:
         # weights_only: only tensors, numpy arrays and plain containers, as in a checkpoint
-        if self.sha256 is None:
-            state = torch.load(self.path, map_location="cpu", weights_only=True)
-            return self._without_kept(state) if self.source is not None else state
-        data = self.path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != self.sha256:
-            from rayfed_proto.runtime.checkpoint import CheckpointError
-
-            raise CheckpointError(f"{self.source} does not match its checksum in the checkpoint's manifest (damaged "
-                                  "after it was written; found when the resumed run first read it). Resume from the "
-                                  "older checkpoint by deleting the newest one, or start the run afresh")
-        self.sha256 = None  # checked once: the file is never changed
-        return self._without_kept(torch.load(io.BytesIO(data), map_location="cpu", weights_only=True))
-
-    def _without_kept(self, state: dict[str, Any]) -> dict[str, Any]:
-        # an adopted checkpoint file may list states kept for evaluations; the host took them at adoption
-        state.pop("kept", None)
+        state = torch.load(self.path, map_location="cpu", weights_only=True)
+        if self.adopted:
+            state.pop("kept", None)
         return state
 
 
@@ -151,11 +134,12 @@ class ParkedStates:
 
     def adopt(self, c: int, source: Path, size: int, sha256: str) -> Optional[dict[int, None]]:
         """Park a checkpoint's state file as it is: hard-linked into this store's folder (a copy
-        where the folder is on another file system), not read, and checked against ``sha256`` when
-        it is first loaded (:class:`OnDisk`). Returns the state's entries kept for evaluations
-        (``{updates: None}``: the client's fresh start, which needs no state), or None, with
-        nothing parked, where this store is in memory, the file cannot be reached from this node,
-        is not ``size`` bytes, or holds a kept state itself (the caller then sends the bytes)."""
+        where the folder is on another file system), its SHA-256 checked here, and not loaded
+        (the pickle alone is read for the update count). Returns the state's entries kept for
+        evaluations (``{updates: None}``: the client's fresh start, which needs no state), or
+        None, with nothing parked, where this store is in memory, the file cannot be reached from
+        this node, is not ``size`` bytes or not ``sha256`` (the driver then reads it, checks it and
+        names the damage), or holds a kept state itself: the caller then sends the bytes."""
         if self.folder is None:
             return None
         try:
@@ -170,15 +154,16 @@ class ParkedStates:
                 os.link(source, dest)
             except OSError:  # another file system (or no hard links there)
                 shutil.copyfile(source, dest)
-            # the pickle alone (tensors stay mapped, unread) for the update count; weights_only as everywhere
-            peek = torch.load(dest, map_location="cpu", weights_only=True, mmap=True)
-            kept = peek.get("kept") or {} if isinstance(peek, dict) else None
+            intact = checkpoint._sha256(dest) == sha256
+            # weights_only as everywhere; mmap: the tensors stay mapped, unread
+            peek = torch.load(dest, map_location="cpu", weights_only=True, mmap=True) if intact else None
+            kept = (peek.get("kept") or {}) if isinstance(peek, dict) else None
         except Exception:  # unreadable here: the driver reads it, checks it and names the problem
             kept = None
         if kept is None or any(v is not None for v in kept.values()):
             _unlink(str(dest))
             return None
-        self._states[c] = OnDisk(dest, None, updates=int(peek.get("updates", 0)), sha256=sha256, source=str(source))
+        self._states[c] = OnDisk(dest, None, updates=int(peek.get("updates", 0)))
         return {int(n): None for n in kept}
 
     def share(self, c: int) -> State:

@@ -74,13 +74,16 @@ def test_a_disk_fault_mid_run_fails_the_run_with_exit_1_naming_the_folder(ray_se
     assert str(fault.value) == reason
 
 
-def test_a_client_state_refused_at_the_restore_leaves_the_run_killed(ray_session, tracking):
+def test_a_client_state_refused_at_the_restore_leaves_the_run_killed(ray_session, tracking, tmp_path):
     """Issue 40.2 with 39.3: a client state damaged after the scan (its checksum is verified when it
-    is read) is refused with exit 2's error, and the stopped run stays KILLED."""
+    is read) is refused with exit 2's error, and the stopped run stays KILLED. The workers park on
+    disk, so they are offered the checkpoint's files first: the damaged one is declined there and
+    refused by the driver, which reads it."""
     from rayfed_proto.runtime.checkpoint import CheckpointError
 
     uri, track = tracking
-    common = SMALL + track + ["federation.mode=sync", "federation.rounds=3", "checkpoint.every=1"]
+    disk = ["resources.park_idle_clients=true", "resources.park_to=disk", f"resources.park_dir={tmp_path}"]
+    common = SMALL + track + disk + ["federation.mode=sync", "federation.rounds=3", "checkpoint.every=1"]
     with pytest.raises(RunInterrupted) as stopped:
         run_experiment(build_config({}, common + ["faults.stop_at_version=1"]), **QUIET)
     out = stopped.value.output_dir

@@ -208,34 +208,30 @@ def _checkpointed(folder: Path, c: int, state: dict) -> tuple[Path, int, str]:
     return path, len(data), hashlib.sha256(data).hexdigest()
 
 
-def test_a_checkpointed_state_is_parked_by_a_link_unread_and_checked_when_first_read(tmp_path):
-    from rayfed_proto.runtime.checkpoint import CheckpointError
-
+def test_a_checkpointed_state_is_parked_by_a_link_checked_and_not_loaded(tmp_path):
     store = ParkedStates.on_disk(str(tmp_path / "park"))
     path, size, sha = _checkpointed(tmp_path / "ckpt", 3, {"model": {"w": torch.arange(4.0)}, "updates": 7})
     assert store.adopt(3, path, size, sha) == {}  # no states kept for evaluations
     handle = store.handle_of(3)
-    assert os.stat(handle.path).st_ino == os.stat(path).st_ino  # a hard link: nothing copied, nothing read
-    assert store.updates(3) == 7 and handle.sha256 == sha
-    assert torch.equal(store.get(3)["model"]["w"], torch.arange(4.0)) and handle.sha256 is None  # checked once
-    # damaged after the checkpoint was written (same size, one byte changed): refused when first read, naming the file
+    assert os.stat(handle.path).st_ino == os.stat(path).st_ino  # a hard link: nothing copied, nothing written
+    assert store.updates(3) == 7 and torch.equal(store.get(3)["model"]["w"], torch.arange(4.0))
+    # damaged after the checkpoint was written (same size, one byte changed): declined, so that the
+    # driver reads it, checks it and refuses the resume naming the file (test_startup_faults)
     path4, size4, sha4 = _checkpointed(tmp_path / "ckpt", 4, {"model": {"w": torch.ones(64)}, "updates": 2})
-    assert store.adopt(4, path4, size4, sha4) == {}
     with open(path4, "r+b") as f:
         f.seek(size4 // 2)
         byte = f.read(1)
         f.seek(size4 // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(CheckpointError, match=str(path4)):
-        store.get(4)
-    # what it declines, leaving no file behind: a size other than the manifest's, a file out of
-    # reach (another node), states kept for evaluations, and a store in memory
+    assert store.adopt(4, path4, size4, sha4) is None and 4 not in store
+    # what else it declines, leaving no file behind: a size other than the manifest's, a file out
+    # of reach (another node), states kept for evaluations, and a store in memory
     path5, size5, sha5 = _checkpointed(tmp_path / "ckpt", 5, {"model": {}, "updates": 1, "kept": {0: {"model": {}}}})
     assert store.adopt(3, path, size + 1, sha) is None
     assert store.adopt(6, tmp_path / "elsewhere" / "6.pt", 10, sha) is None
     assert store.adopt(5, path5, size5, sha5) is None
     assert ParkedStates().adopt(3, path, size, sha) is None
-    assert store.files() == 2 and 5 not in store and 6 not in store
+    assert store.files() == 1 and 5 not in store and 6 not in store
     # kept entries naming the fresh start (None: no state needed) are taken, and the host is told
     path7, size7, sha7 = _checkpointed(tmp_path / "ckpt", 7, {"model": {"w": torch.zeros(2)}, "updates": 3,
                                                               "kept": {0: None}})
@@ -245,7 +241,7 @@ def test_a_checkpointed_state_is_parked_by_a_link_unread_and_checked_when_first_
     del handle
     store.pop(3)
     gc.collect()
-    assert path.exists() and store.files() == 1  # the parked link goes, the checkpoint's file stays
+    assert path.exists() and store.files() == 0  # the parked link goes, the checkpoint's file stays
 
 
 def test_a_checkpointed_state_on_another_file_system_is_copied(tmp_path, monkeypatch):
