@@ -165,8 +165,8 @@ class ClientActor:
 
     def adopt_files(self, files: dict[int, tuple[str, int, str]], rng: torch.Tensor | None = None) -> list[int]:
         """Park checkpointed states straight from their files where this worker can reach them
-        (``client -> (path, size, sha256)``), checked when first read; returns the clients whose
-        bytes the driver must send (:meth:`restore`)."""
+        (``client -> (path, size, sha256)``), each checked as it is linked; returns the clients
+        whose bytes the driver must send (:meth:`restore`)."""
         left = self.host.adopt_files(files)
         if rng is not None:
             torch.set_rng_state(rng)

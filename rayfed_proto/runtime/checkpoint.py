@@ -246,8 +246,8 @@ class Checkpoint:
 
     def client_file(self, client_id: int) -> Optional[tuple[str, int, str]]:
         """``(path, size, sha256)`` of the client's state file as the manifest lists it (None: no
-        state saved, or a manifest without checksums): what a worker on this node parks as it is
-        and checks when it first reads it (``ParkedStates.adopt``)."""
+        state saved, or a manifest without checksums): what a worker on this node checks and
+        parks as it is (``ParkedStates.adopt``)."""
         meta = (self.manifest.get("files") or {}).get(f"clients/{client_id}.pt")
         return None if meta is None else (str(self.path / "clients" / f"{client_id}.pt"), meta["size"], meta["sha256"])
 

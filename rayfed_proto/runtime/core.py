@@ -544,9 +544,9 @@ class ClientHost:
                 self._runner(c).load_state_dict(st)
 
     def adopt_files(self, files: dict[int, tuple[str, int, str]]) -> list[int]:
-        """Park checkpointed states from their files (``client -> (path, size, sha256)``) without
-        reading them (:meth:`ParkedStates.adopt`); returns the clients whose state must come as
-        bytes instead (parked in memory, not parking, the file out of reach, kept states)."""
+        """Park checkpointed states from their files (``client -> (path, size, sha256)``), checked
+        and not loaded (:meth:`ParkedStates.adopt`); returns the clients whose state must come as
+        bytes instead (parked in memory, not parking, the file out of reach or damaged, kept states)."""
         if not self.park:
             return sorted(files)
         left = []

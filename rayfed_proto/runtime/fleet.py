@@ -274,8 +274,8 @@ def _restore_clients(workers: list[tuple[Any, list[int], Any]], ckpt, chunk: int
 
     First each worker is offered the state files themselves (``ClientActor.adopt_files``): a
     worker that parks on disk and can reach the checkpoint (the driver's node) links them into
-    its parking folder unread, and checks each against the manifest's SHA-256 when it first
-    reads it. The states it could not take come as bytes: the driver reads each file and checks
+    its parking folder and checks each against the manifest's SHA-256 there, without loading
+    them. The states it could not take (a damaged one among them) come as bytes: the driver reads each file and checks
     its SHA-256 (``ckpt.client_bytes``), the worker loads the bytes and parks them, ``chunk``
     clients at a time, the workers served in turn, up to ``window`` chunks in flight per worker:
     the driver reads the next chunk while the workers load theirs, and it holds at most
