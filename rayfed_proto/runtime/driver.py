@@ -22,7 +22,6 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
@@ -188,13 +187,9 @@ def _start_ray_and_workers(run: RunState) -> None:
     from rayfed_proto.runtime.resources import plan_resources
 
     cfg = run.cfg
-    # MLflow's import and store check (about 3 s) in a thread while Ray starts (5-7 s, most of it
-    # waiting for Ray's processes): their failures are raised here as before, Ray's first
-    with ThreadPoolExecutor(1, thread_name_prefix="tracking-store") as pool:
-        tracker = pool.submit(make_tracker, cfg.tracking)
-        with signals.ray_keeps_our_handlers():  # a SIGTERM is the start-up's to handle (signals.py), not a sys.exit inside Ray
-            ensure_ray(cfg)
-        run.tracker = tracker.result()
+    run.tracker = make_tracker(cfg.tracking)
+    with signals.ray_keeps_our_handlers():  # a SIGTERM is the start-up's to handle (signals.py), not a sys.exit inside Ray
+        ensure_ray(cfg)
     cap = capacity(cfg.resources)
     total = cap.totals()
     # per node: each bundle must fit on one node of those the cluster has or will have (refused in seconds if not)
