@@ -248,8 +248,12 @@ class Checkpoint:
         """``(path, size, sha256)`` of the client's state file as the manifest lists it (None: no
         state saved, or a manifest without checksums): what a worker on this node checks and
         parks as it is (``ParkedStates.adopt``)."""
-        meta = (self.manifest.get("files") or {}).get(f"clients/{client_id}.pt")
+        meta = self._client_meta(client_id)
         return None if meta is None else (str(self.path / "clients" / f"{client_id}.pt"), meta["size"], meta["sha256"])
+
+    def _client_meta(self, client_id: int) -> Optional[dict[str, Any]]:
+        """The manifest's size and SHA-256 of the client's state file (None: not listed)."""
+        return (self.manifest.get("files") or {}).get(f"clients/{client_id}.pt")
 
     def client_bytes(self, client_id: int) -> Optional[bytes]:
         """The client's state file as bytes, checked against the manifest's SHA-256 (None: no state
@@ -259,7 +263,7 @@ class Checkpoint:
         if not p.exists():
             return None
         data = p.read_bytes()
-        meta = (self.manifest.get("files") or {}).get(f"clients/{client_id}.pt")
+        meta = self._client_meta(client_id)
         if meta is not None and (len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]):
             raise CheckpointError(
                 f"{p} does not match its checksum in the manifest (damaged after it was written). Resume from the "

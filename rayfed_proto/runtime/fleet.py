@@ -288,13 +288,14 @@ def _restore_clients(workers: list[tuple[Any, list[int], Any]], ckpt, chunk: int
         files = {c: f for c in todo if (f := ckpt.client_file(c)) is not None}
         offers.append(actor.adopt_files.remote(files, rng))
         todos.append((todo, files))
-    queues, restored = [], 0  # per worker: (actor, the chunks of client ids whose bytes it needs)
+    queues, linked = [], 0  # per worker: (actor, the chunks of client ids whose bytes it needs)
     for (actor, _, _), (todo, files), left in zip(workers, todos, ray.get(offers), strict=True):
         taken = set(files) - set(left)
-        restored += len(taken)
+        linked += len(taken)
         rest = [c for c in todo if c not in taken]
         queues.append((actor, [rest[i : i + chunk] for i in range(0, len(rest), chunk)]))
     inflight: dict[int, list] = {id(actor): [] for actor, _ in queues}
+    sent = 0
     for turn in range(max((len(q[1]) for q in queues), default=0)):
         for actor, chunks in queues:
             if turn >= len(chunks):
@@ -302,8 +303,10 @@ def _restore_clients(workers: list[tuple[Any, list[int], Any]], ckpt, chunk: int
             states = {c: data for c in chunks[turn] if (data := ckpt.client_bytes(c)) is not None}
             mine = inflight[id(actor)]
             mine.append(actor.restore.remote(states, None))
-            restored += len(states)
+            sent += len(states)
             if len(mine) >= window:
                 ray.get(mine.pop(0))
     ray.get([ref for refs in inflight.values() for ref in refs])
-    return restored
+    log.info("restored %d client states: %d linked from the checkpoint's files by their workers, %d read and sent "
+             "by the driver", linked + sent, linked, sent)
+    return linked + sent

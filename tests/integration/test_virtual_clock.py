@@ -2,6 +2,7 @@
 metrics, exactly, whatever the number of real slots; it resumes from a checkpoint exactly as it
 would have gone on; offline clients are never dispatched; slow clients show real staleness."""
 
+import logging
 import math
 import shutil
 
@@ -82,7 +83,8 @@ def test_async_virtual_clock_gives_identical_metrics_with_1_2_and_4_real_slots(r
     assert len(listed) == 3 and sampled.history[-1][names.EVAL_HEAD_ACC] != reference[-1][names.EVAL_HEAD_ACC]
 
 
-def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_session, async_runs, tracking, tmp_path):
+def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_session, async_runs, tracking, tmp_path,
+                                                                         caplog):
     uri, track = tracking
     common = VIRTUAL + track + ["resources.clients_per_actor=auto"]
     # the same config run straight through (the slots test's "auto" run): no checkpoint before its
@@ -99,8 +101,14 @@ def test_virtual_clock_run_stopped_and_resumed_equals_an_uninterrupted_run(ray_s
     pending = ckpt.driver_state()["scheduler"]["policy"]["clock"]["pending"]
     assert pending, "updates in simulated flight at the stop are part of the checkpoint"
     assert any("kept" in (ckpt.client_state(c) or {}) for c in range(8)), "states kept for evaluations are saved"
-    resumed = run_experiment(build_config({}, common + disk + ["checkpoint.every=2"]), resume_dir=out, **QUIET)
+    with caplog.at_level(logging.INFO, logger="rayfed_proto"):
+        resumed = run_experiment(build_config({}, common + disk + ["checkpoint.every=2"]), resume_dir=out, **QUIET)
     assert resumed.final_version == 6
+    # the workers park on disk on this node: they link the checkpoint's files (a state holding one
+    # kept for an evaluation would come as bytes)
+    (restored,) = [r.args for r in caplog.records if r.getMessage().startswith("restored ")]
+    total, linked, sent = restored
+    assert linked >= 1 and total == linked + sent
     assert list((tmp_path / "rayfed_proto-parked").iterdir()) == [], "each worker removes its parked states at the end"
     assert _comparable(resumed.history) == _comparable(straight.history)
     steps = [m.step for m in MlflowClient(uri).get_metric_history(resumed.run_id, names.FEDERATION_SIM_TIME_S)]
