@@ -246,6 +246,7 @@ class FedLSAClient(FedAvgClient):
         h, logits = model.forward_features(x)  # h = nor(phi(psi(x))) with model.normalize_features
         ce = F.cross_entropy(logits, y)  # FedLSA Eq. 9
         anchors, mask = bank_tensors(self.guidance, self.spec.num_classes, h.device)
+        anchors = anchors.to(h.dtype)  # the model's float type (broadcasts are float32)
         lam = self.options.lam
         with torch.set_grad_enabled(torch.is_grad_enabled() and lam > 0):
             # F.normalize is the identity on unit h; it keeps Eq. 8 on the sphere if a user turns

@@ -378,12 +378,13 @@ class FedSCClient(FedAvgClient):
         if self.relational is not None:
             if self.relational.device != z.device:  # moved once per received state, not per batch
                 self.relational, self.relational_labels = self.relational.to(z.device), self.relational_labels.to(z.device)
-            rel, rel_y = self.relational, self.relational_labels
+            rel, rel_y = self.relational.to(z.dtype), self.relational_labels  # the model's float type
         else:
             rel, rel_y = z.new_zeros(0, z.shape[1]), torch.zeros(0, dtype=torch.int64, device=z.device)
         with torch.set_grad_enabled(torch.is_grad_enabled() and o.rpcl_weight > 0):
             rpcl = rpcl_loss(z, y, rel, rel_y, o.tau)  # FedSC Eq. 13-14
         consistent, mask = bank_tensors(self.guidance, self.spec.num_classes, z.device)
+        consistent = consistent.to(z.dtype)  # the model's float type (broadcasts are float32)
         with torch.set_grad_enabled(torch.is_grad_enabled() and o.cpdr_weight > 0):
             cpdr = cpdr_loss(z, y, consistent, mask, o.cpdr_reduction)  # FedSC Eq. 15
         total = ce  # FedSC: L = L_CE + L_RPCL + L_CPDR (weights 1 in the paper)

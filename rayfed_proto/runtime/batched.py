@@ -209,7 +209,7 @@ class StackedOptimizer:
         self.group = members[0].optimizer.param_groups[0]
         self.names, self.n, self.stack = names, len(members), params
         device = params.flat[0].device
-        self._zero = torch.zeros((), device=device)  # torch.where's other value (a Python 0.0 costs an op a call)
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)  # torch.where's other value (a Python 0.0 costs an op a call)
         # float64 for the step counts and bias corrections, as the Python floats of LeanAdam (not on MPS)
         self.count_dtype = torch.float32 if device.type == "mps" else torch.float64
         per_client = [dict(zip(names, m.optimizer.param_groups[0]["params"], strict=True)) for m in members]
@@ -344,12 +344,12 @@ class StackedTally:
         self.n, self.device = n, device
         self.keys: Optional[list[str]] = None
         self.sums: Optional[torch.Tensor] = None  # columns: loss, terms..., applied steps, skipped steps
-        self._zero = torch.zeros((), device=device)
+        self._zero = torch.zeros((), dtype=torch.float32, device=device)
 
     def add(self, idx: torch.Tensor, applied: torch.Tensor, loss: torch.Tensor, terms: dict[str, torch.Tensor]) -> None:
         if self.keys is None:
             self.keys = list(terms)
-            self.sums = torch.zeros(self.n, len(self.keys) + 3, device=self.device)
+            self.sums = torch.zeros(self.n, len(self.keys) + 3, dtype=torch.float32, device=self.device)
         vals = torch.where(_rows(applied), torch.stack([loss.float(), *(terms[k].float() for k in self.keys)], 1), self._zero)
         counts = torch.stack([applied, ~applied], 1).to(vals.dtype)
         self.sums.index_add_(0, idx, torch.cat([vals, counts], 1))
