@@ -19,6 +19,7 @@ from rayfed_proto.algorithms.fedsc import (
     neighbor_sets,
     relational_prototypes,
     rpcl_loss,
+    rpcl_loss_code,
 )
 from rayfed_proto.config import build_config
 from rayfed_proto.messages import ClientUpdate, GlobalState
@@ -51,12 +52,16 @@ def fixed_spec(num_clients=3, num_classes=3):
 
 def test_defaults_are_the_authors_code_and_the_paper_is_a_variant():
     o = ALGO.Options()
-    assert (o.num_neighbors, o.tau, o.rpcl_weight, o.cpdr_weight) == (2, 0.05, 1.0, 1.0)
+    assert (o.num_neighbors, o.tau, o.rpcl_weight, o.cpdr_weight) == (0, 0.05, 1.0, 1.0)
     assert (o.variant, o.cpdr_reduction, o.prototype_source) == ("code", "mse", "train_last_epoch")
-    assert (o.aggregation_scope, o.server_lr) == ("latest", 1.0)
+    assert (o.aggregation_scope, o.server_lr) == ("buffer", 1.0)
     paper = ALGO.Options(variant="paper")
-    assert (paper.cpdr_reduction, paper.prototype_source) == ("sum", "eval")
+    assert (paper.cpdr_reduction, paper.prototype_source, paper.num_neighbors, paper.aggregation_scope) == (
+        "sum", "eval", 2, "latest")
     assert ALGO.Options(variant="paper", cpdr_reduction="mean").cpdr_reduction == "mean"  # a set key wins
+    assert ALGO.Options(num_neighbors=2, aggregation_scope="latest").num_neighbors == 2
+    with pytest.warns(FutureWarning, match="prototype_scope"):  # the old name still wins over the variant's default
+        assert ALGO.Options(prototype_scope="latest").aggregation_scope == "latest"
     cfg = build_config({"algorithm": {"name": "fedsc"}, "model": {"group": "HtFE1"}})
     assert cfg.data.global_test_fraction == 0.2 and ALGO.requires_homogeneous_models
 
@@ -283,7 +288,8 @@ def sc_state(version=1):
 
 def test_client_loss_is_ce_plus_weighted_terms():
     z, y = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
-    client, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.5, cpdr_weight=2.0, cpdr_reduction="sum")
+    client, model = client_with(sc_state(), variant="paper", tau=0.5, rpcl_weight=0.5, cpdr_weight=2.0,
+                                cpdr_reduction="sum")
     loss, terms = client.loss(model, z, y)
     assert set(terms) == {"ce", "rpcl", "cpdr"}
     assert terms["ce"] == pytest.approx(math.log(3))  # zero head
@@ -293,13 +299,15 @@ def test_client_loss_is_ce_plus_weighted_terms():
     assert terms["cpdr"] == pytest.approx(5.0)  # only sample 0 has o^0 = (0, 4): |1| + |0 - 4| = 5
     assert loss.item() == pytest.approx(math.log(3) + 0.5 * rpcl + 2.0 * 5.0, rel=1e-6)
     np.testing.assert_array_equal(client.inference_bank().vectors, [[0, 4]])  # nearest consistent prototype
-    off, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.0, cpdr_weight=0.0, cpdr_reduction="sum")
+    off, model = client_with(sc_state(), variant="paper", tau=0.5, rpcl_weight=0.0, cpdr_weight=0.0,
+                             cpdr_reduction="sum")
     loss, terms = off.loss(model, z, y)
     assert loss.item() == pytest.approx(math.log(3)) and terms["cpdr"] == pytest.approx(5.0)  # logged, not optimised
 
 
-def test_client_before_any_prototype_trains_on_ce_only():
-    client, model = client_with(GlobalState(version=0))
+@pytest.mark.parametrize("variant", ["code", "paper"])
+def test_client_before_any_prototype_trains_on_ce_only(variant):
+    client, model = client_with(GlobalState(version=0), variant=variant)
     loss, terms = client.loss(model, torch.tensor([[1.0, 0.0]]), torch.tensor([0]))
     assert loss.item() == pytest.approx(math.log(3)) and terms["rpcl"] == terms["cpdr"] == 0.0
     # an all-False mask is the same as none
@@ -360,7 +368,7 @@ def updates_for(sets, base_version=0):
 
 
 def test_server_computes_relational_and_consistent_prototypes_by_hand():
-    server = ALGO.Server(ALGO.Options(num_neighbors=1), fixed_spec(), CPU)
+    server = ALGO.Server(ALGO.Options(variant="paper", num_neighbors=1), fixed_spec(), CPU)
     state0 = server.broadcast(0)
     assert state0.prototypes is not None and len(state0.prototypes) == 0
     assert state0.extras["relational"].shape == (3, 3, 2) and not state0.extras["relational_mask"].any()
@@ -390,8 +398,8 @@ def test_latest_scope_keeps_every_client_with_its_staleness():
     spec = fixed_spec(num_clients=2, num_classes=2)
     a = pset([0, 1], [[1, 0], [0, 1]], [2, 2])
     b = pset([0, 1], [[3, 0], [0, 3]], [2, 2])
-    latest = ALGO.Server(ALGO.Options(num_neighbors=0), spec, CPU)
-    buffer = ALGO.Server(ALGO.Options(num_neighbors=0, aggregation_scope="buffer"), spec, CPU)
+    latest = ALGO.Server(ALGO.Options(variant="paper", num_neighbors=0), spec, CPU)
+    buffer = ALGO.Server(ALGO.Options(variant="paper", num_neighbors=0, aggregation_scope="buffer"), spec, CPU)
     for server in (latest, buffer):
         server.aggregate([ClientUpdate(0, 0, 4, prototypes=a)], [1.0], 1)
         server.aggregate([ClientUpdate(1, 1, 4, prototypes=b)], [1.0], 2)
@@ -417,9 +425,10 @@ def test_buffer_scope_keeps_the_last_consistent_prototype_of_classes_not_in_the_
     assert server.bank.updated_at.tolist() == [2, 1]
 
 
-def test_round_trip_and_state_dict_restores_identical_broadcasts():
+@pytest.mark.parametrize("variant", ["code", "paper"])
+def test_round_trip_and_state_dict_restores_identical_broadcasts(variant):
     torch.manual_seed(0)
-    opts = ALGO.Options()
+    opts = ALGO.Options(variant=variant)
     spec = tiny_spec()
     server = ALGO.Server(opts, spec, CPU)
     clients = [ALGO.Client(opts, spec, k) for k in range(3)]
@@ -444,7 +453,8 @@ def test_round_trip_and_state_dict_restores_identical_broadcasts():
     assert state1.prototypes.class_ids.tolist() == [0, 1, 2]
     assert state1.extras["relational_mask"][:, 2].tolist() == [False, False, True]
     assert not state1.extras["relational_mask"][:, 3].any()
-    np.testing.assert_allclose(state1.prototypes.vectors[2], server.latest[2][0].vectors[2], rtol=1e-6)  # one holder
+    if variant == "paper":  # one holder: e = 1 (variant code divides by every client's weight)
+        np.testing.assert_allclose(state1.prototypes.vectors[2], server.latest[2][0].vectors[2], rtol=1e-6)
     saved = server.state_dict()
     fresh = ALGO.Server(opts, tiny_spec(seed=7), CPU)
     fresh.load_state_dict(saved)
