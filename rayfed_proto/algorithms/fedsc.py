@@ -17,11 +17,13 @@ over the clients holding class j (ALGORITHMS.md **Decision**); N and sum_i d_i o
 clients in scope.
 
 Scope (``aggregation_scope``, the name every method uses; ``prototype_scope`` is its deprecated
-alias; the paper is synchronous): ``latest`` (default) keeps every client's most recent upload
+alias; the paper is synchronous): ``latest`` (variant paper) keeps every client's most recent upload
 with the version it was trained against (``common.LatestUploads``: an older upload arriving late
 never replaces a newer one) and uses all of them, each with staleness weight (1 + t - tau)^(-a)
-at this version, as PrototypeServer's "latest"; ``buffer`` uses only the updates aggregated in
-this version (of a client twice in one buffer, its newer upload).
+at this version, as PrototypeServer's "latest"; ``buffer`` (variant code) uses only the updates
+aggregated in this version (of a client twice in one buffer, its newer upload): in sync mode the
+round's sampled clients, whose prototypes alone the authors' next round sees (``re_p`` is rebuilt
+from ``list_local_p`` of the round's ``online_clients``).
 
 Broadcast: the global weights, the consistent prototypes o^j as a ``PrototypeSet`` (classes that
 never had one are absent; a class not covered by this version's scope keeps its last o^j),
@@ -29,19 +31,31 @@ which is also the nearest-prototype inference bank, and in ``extras`` every rela
 prototype: ``relational`` (N, C, D) float32 with ``relational_mask`` (N, C) bool (True where
 r_k^j exists) -- N x C x D x 4 bytes.
 
-Client (Eq. 13-16): L = CE + w_rpcl L_RPCL + w_cpdr L_CPDR (paper: both weights 1), z = f(x):
+Client, ``variant: paper`` (Eq. 13-16): L = CE + w_rpcl L_RPCL + w_cpdr L_CPDR (both weights 1), z = f(x):
     s(z, r) = cos(z, r) / U_r,   U_r = mean over the mini-batch of ||z_b - r||_2 (detached)  (Eq. 13)
     L_RPCL  = -log sum_{r in R^y} e^{s(z, r)/tau} / sum_{r in R} e^{s(z, r)/tau}              (Eq. 14)
-    L_CPDR  = sum_q |z_q - o^y_q|   (paper; the authors' code: F.mse_loss(z, o^y))           (Eq. 15)
+    L_CPDR  = sum_q |z_q - o^y_q|                                                            (Eq. 15)
 R^y: every client's relational prototype of class y (positives); R: all of them.
 
+Client, ``variant: code``: what the authors' runnable ``main_fedsc.py`` computes (docs/algorithms.md,
+FedSC, quotes the lines). Its ``torch.mean(self.re_p[label_id], dim=0)`` gets a Python list and
+raises TypeError; the bare ``except`` makes the RPCL positive and the CPDR target the sample's own
+detached feature. So, once a prototype set has been received:
+    L_CPDR = F.mse_loss(z, z.detach()) = 0, with zero gradient
+    L_RPCL = mean_i -log( e^{cos(z_i, sg z_i)/tau} / (e^{cos(z_i, sg z_i)/tau}
+                          + sum_m mult_m e^{cos(z_i, c_m)/tau}) ),  mult_m = #{j in batch: y_j != class(c_m)}
+the negatives pooled over the whole batch (``InfoNCE_LCL.infonce_lcl_loss`` flattens every sample's
+list and scores every sample against all of it), c_m the uploaded prototypes of the previous
+version's clients (``get_re_p``'s merge is a no-op: M = 0; scope ``buffer``).
+
 Variants (``variant``): ``code`` (default) is the authors' runnable code (``hwang52/FedSC``,
-``main_fedsc.py`` and ``utils/options.py``): L_CPDR as ``F.mse_loss`` (``cpdr_reduction: mse``),
-prototypes averaged over the features of the last local epoch's training passes
-(``prototype_source: train_last_epoch``), and as run defaults plain SGD at lr 0.1 (no momentum,
-no weight decay) with 5 of 10 clients per round (``federation.participation: 0.5``);
-``paper`` is Sec. 4-5 as printed: L1 sum, an eval-mode pass after training, SGD lr 0.01
-momentum 0.9 weight decay 1e-5, every client in every round. A key the user sets wins.
+``main_fedsc.py`` and ``utils/options.py``): the loss above, M = 0, ``aggregation_scope: buffer``,
+Eq. 11 normalised over every client in scope (``get_co_p``), prototypes averaged over the features
+of the last local epoch's training passes (``prototype_source: train_last_epoch``), and as run
+defaults plain SGD at lr 0.1 (no momentum, no weight decay) with 5 of 10 clients per round
+(``federation.participation: 0.5``); ``paper`` is Sec. 4-5 as printed: Eq. 13-15, M = 2, an
+eval-mode pass after training, SGD lr 0.01 momentum 0.9 weight decay 1e-5, every client in every
+round. A key the user sets wins; the loss and Eq. 11's normaliser follow ``variant`` itself.
 """
 
 from __future__ import annotations
@@ -69,13 +83,16 @@ from rayfed_proto.algorithms.fedavg import FedAvgClient, FedAvgOptions, FedAvgSe
 from rayfed_proto.messages import ClientUpdate, GlobalState, PrototypeSet
 
 FedSCVariant = Literal["code", "paper"]
-# algorithm.* defaults of each variant (a value the user sets wins): the authors' main_fedsc.py
-# Local.local_train computes cpdr_loss = F.mse_loss(feas, torch.stack(reg_vector)) and averages
-# the features of the last local epoch (if tr_idx == num_epochs_local_training - 1); the paper
-# prints Eq. 15 as an L1 sum and computes the prototypes from the trained model (Eq. 3-4)
-VARIANT_OPTIONS: dict[str, dict[str, str]] = {
-    "code": {"cpdr_reduction": "mse", "prototype_source": "train_last_epoch"},
-    "paper": {"cpdr_reduction": "sum", "prototype_source": "eval"},
+# algorithm.* defaults of each variant (a value the user sets wins). The authors' main_fedsc.py:
+# Local.local_train averages the features of the last local epoch (if tr_idx ==
+# num_epochs_local_training - 1) and writes cpdr_loss = F.mse_loss(feas, torch.stack(reg_vector));
+# Global.get_re_p writes its merge into a stacked copy and returns the raw per-client lists (M = 0);
+# FedSC_main rebuilds re_p from the round's online_clients only (scope buffer). The paper prints
+# Eq. 15 as an L1 sum, M = 2, and computes the prototypes from the trained model (Eq. 3-4).
+VARIANT_OPTIONS: dict[str, dict[str, Any]] = {
+    "code": {"cpdr_reduction": "mse", "prototype_source": "train_last_epoch", "num_neighbors": 0,
+             "aggregation_scope": "buffer"},
+    "paper": {"cpdr_reduction": "sum", "prototype_source": "eval", "num_neighbors": 2, "aggregation_scope": "latest"},
 }
 # run-level defaults (training.*, federation.*) of each variant: the authors' Local.__init__ builds
 # SGD(params, lr=args.lr_local_training) (utils/options.py: --lr_local_training 0.1, no momentum,
@@ -91,22 +108,25 @@ VARIANT_RUN_DEFAULTS: dict[str, dict[str, float]] = {
 
 class FedSCOptions(FedAvgOptions):
     variant: FedSCVariant = Field(
-        "code", description="defaults of the authors' runnable code (hwang52/FedSC: CPDR as F.mse_loss, last-epoch "
-        "training-pass prototypes, SGD lr 0.1, 5 of 10 clients per round) or of the paper (L1 CPDR, eval-pass "
-        "prototypes, SGD lr 0.01 momentum 0.9 weight decay 1e-5, every client); keys set explicitly win")
-    num_neighbors: int = Field(2, ge=0, description="M: neighbouring clients merged into a relational prototype (Eq. 8; paper 2)")
+        "code", description="what the authors' runnable code computes (hwang52/FedSC: RPCL with the sample's own "
+        "feature as positive and the batch's pooled negatives, CPDR 0, M 0, buffer scope, last-epoch training-pass "
+        "prototypes, SGD lr 0.1, 5 of 10 clients per round) or the paper (Eq. 13-15, M 2, eval-pass prototypes, SGD lr "
+        "0.01 momentum 0.9 weight decay 1e-5, every client); other keys set explicitly win")
+    num_neighbors: int = Field(2, ge=0, description="M: neighbouring clients merged into a relational prototype (Eq. 8; "
+                               "paper 2; variant code 0, the authors' merge being a no-op)")
     tau: float = Field(0.05, gt=0, description="temperature of L_RPCL (Eq. 14; paper 0.05)")
     rpcl_weight: float = Field(1.0, ge=0, description="weight of L_RPCL (paper: 1, an unweighted sum); 0 turns it off")
     cpdr_weight: float = Field(1.0, ge=0, description="weight of L_CPDR (paper: 1, an unweighted sum); 0 turns it off")
     cpdr_reduction: Literal["sum", "mean", "mse"] = Field(
-        "mse", description="L_CPDR: summed L1 over the D dimensions (Eq. 15 as printed; variant paper), its mean "
-        "(divided by D), or the squared error averaged over the batch and D (F.mse_loss, the authors' code; variant code)")
+        "mse", description="variant paper's L_CPDR: summed L1 over the D dimensions (Eq. 15 as printed), its mean "
+        "(divided by D), or the squared error averaged over the batch and D (F.mse_loss, the authors' form); variant "
+        "code's target is the feature itself, 0 whatever the reduction")
     prototype_source: Literal["eval", "train", "train_last_epoch"] = Field(
         "train_last_epoch", description="uploaded prototypes: features of the last local epoch's training passes "
         "(the authors' code; variant code), of every epoch's, or an eval-mode pass after training (variant paper)")
     aggregation_scope: Literal["latest", "buffer"] = Field(
-        "latest", description="client prototypes used by the server: every client's latest upload (staleness-weighted) "
-        "or only this version's buffer (formerly prototype_scope)")
+        "latest", description="client prototypes used by the server: every client's latest upload (staleness-weighted; "
+        "variant paper) or only this version's buffer (variant code: the round's sampled clients; formerly prototype_scope)")
 
     @model_validator(mode="before")
     @classmethod
@@ -209,10 +229,13 @@ def discrepancy(counts: np.ndarray) -> np.ndarray:
     return np.where(n[:, 0] > 0, d, 0.0)
 
 
-def consistent_weights(counts: np.ndarray, held: np.ndarray, client_weights: np.ndarray) -> np.ndarray:
+def consistent_weights(counts: np.ndarray, held: np.ndarray, client_weights: np.ndarray,
+                       normalise_over: Literal["class", "clients"] = "class") -> np.ndarray:
     """e_k^j (N, C): s_k Sigmoid(n_k / N - d_k / sum_i d_i), normalised over the clients holding
-    class j (FedSC Eq. 11; ALGORITHMS.md Decision on the index). N and sum_i d_i run over the
-    clients in scope (those holding any class); with sum_i d_i = 0 the d term is 0."""
+    class j (FedSC Eq. 11; ALGORITHMS.md Decision on the index), or with ``clients`` over every
+    client in scope, as the authors' ``get_co_p`` (``list_e = list_e / sum(list_e)``; variant
+    code), so that a class few clients hold gets weights summing to less than 1. N and sum_i d_i
+    run over the clients in scope (those holding any class); with sum_i d_i = 0 the d term is 0."""
     present = held.any(1)
     n_k = counts.sum(1)
     d = discrepancy(counts)
@@ -222,8 +245,11 @@ def consistent_weights(counts: np.ndarray, held: np.ndarray, client_weights: np.
     b = 1.0 / d_total if d_total > 0 else 0.0  # b = 1 / sum_i d_i
     sig = 1.0 / (1.0 + np.exp(-(a * n_k - b * d)))  # FedSC Eq. 11: Sigmoid(a n_k - b d_k)
     raw = held * (client_weights * sig)[:, None]
-    tot = raw.sum(0)
-    return raw / np.where(tot > 0, tot, 1.0)[None, :]  # FedSC Eq. 11: normalised over K^j
+    if normalise_over == "clients":  # hwang52/FedSC main_fedsc.py get_co_p: over the round's clients
+        tot = np.full(raw.shape[1], (client_weights * sig)[present].sum())
+    else:
+        tot = raw.sum(0)  # FedSC Eq. 11: normalised over K^j
+    return raw / np.where(tot > 0, tot, 1.0)[None, :]
 
 
 def consistent_prototypes(rel: np.ndarray, held: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -254,6 +280,31 @@ def rpcl_loss(z: torch.Tensor, labels: torch.Tensor, rel: torch.Tensor, rel_labe
     pos = torch.logsumexp(logits.masked_fill(~positive, float("-inf")), dim=1)  # log sum_{R^j} e^{s/tau}
     every = torch.logsumexp(logits, dim=1)  # log (sum_{R^j} + sum_{R^{N_j}}) e^{s/tau}
     return masked_mean(every - pos, keep)  # FedSC Eq. 14
+
+
+def rpcl_loss_code(z: torch.Tensor, labels: torch.Tensor, protos: torch.Tensor, proto_labels: torch.Tensor,
+                   tau: float) -> torch.Tensor:
+    """L_RPCL as the authors' runnable code computes it (hwang52/FedSC ``main_fedsc.py``
+    ``Local.local_train``, ``utils/infonce_lcl.py`` ``infonce_lcl_loss``; variant code).
+
+    The positive key of every sample is its own detached feature (the ``except`` branch: the
+    ``torch.mean`` on a list above it always raises), so its logit is cos(z_i, sg z_i) = 1 with
+    zero gradient. The negatives are pooled over the batch: sample j adds every prototype of
+    every class but y_j, and every sample is scored against the whole pool, so prototype m of
+    class c enters mult_m = #{j: y_j != c} times (a sample's own class among them when the batch
+    holds other classes):
+        mean_i -log( e^{cos(z_i, sg z_i)/tau} / (e^{cos(z_i, sg z_i)/tau} + sum_m mult_m e^{cos(z_i, c_m)/tau}) )
+    With an empty pool (the code's ``torch.stack([])`` would raise) only the positive is left: 0."""
+    zn = F.normalize(z, dim=1)
+    pos = (zn * F.normalize(z.detach(), dim=1)).sum(1, keepdim=True)  # infonce_lcl.py: pos_logit, pos_key = feas[i].detach()
+    if protos.numel() == 0:
+        return z.sum() * 0.0  # F.cross_entropy over the positive alone: 0
+    neg = zn @ F.normalize(protos, dim=1).T  # infonce_lcl.py: neg_logits = query @ neg_keys, (B, m)
+    mult = (labels.unsqueeze(1) != proto_labels.unsqueeze(0)).sum(0)  # (m,): copies of c_m in the pooled list
+    neg = (neg / tau + mult.clamp_min(1).log()).masked_fill(mult == 0, float("-inf"))  # mult_m e^{cos/tau}
+    logits = torch.cat([pos / tau, neg], dim=1)
+    target = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
+    return F.cross_entropy(logits, target)  # infonce_lcl.py: F.cross_entropy(logits / tau, 0, reduction='mean')
 
 
 def cpdr_loss(z: torch.Tensor, labels: torch.Tensor, consistent: torch.Tensor, mask: torch.Tensor,
@@ -319,7 +370,8 @@ class FedSCServer(FedAvgServer):
             s[k] = w
         g, _ = global_prototypes(protos, held, s)  # FedSC Eq. 5
         rel, rel_mask = relational_prototypes(protos, held, g, self.options.num_neighbors)  # FedSC Eq. 7-9
-        e = consistent_weights(counts, held, s)  # FedSC Eq. 10-11
+        over = "clients" if self.options.variant == "code" else "class"
+        e = consistent_weights(counts, held, s, over)  # FedSC Eq. 10-11
         o, o_mask = consistent_prototypes(rel, held, e)  # FedSC Eq. 12
         self.relational, self.relational_mask = rel.astype(np.float32), rel_mask
         weight_per_class = counts.sum(0)
@@ -371,23 +423,32 @@ class FedSCClient(FedAvgClient):
         self.relational = torch.tensor(np.asarray(rel)[mask], dtype=torch.float32)  # copy: object-store arrays are read-only
         self.relational_labels = torch.tensor(classes, dtype=torch.int64)
 
+    def _relational(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The received relational prototypes (m, D) and their classes (m,), on z's device."""
+        if self.relational is None:
+            return z.new_zeros(0, z.shape[1]), torch.zeros(0, dtype=torch.int64, device=z.device)
+        if self.relational.device != z.device:  # moved once per received state, not per batch
+            self.relational, self.relational_labels = self.relational.to(z.device), self.relational_labels.to(z.device)
+        return self.relational.to(z.dtype), self.relational_labels  # the model's float type (broadcasts are float32)
+
     def loss(self, model, x, y):
         z, logits = model.forward_features(x)
         ce = F.cross_entropy(logits, y)  # FedSC Eq. 16
         o = self.options
-        if self.relational is not None:
-            if self.relational.device != z.device:  # moved once per received state, not per batch
-                self.relational, self.relational_labels = self.relational.to(z.device), self.relational_labels.to(z.device)
-            rel, rel_y = self.relational.to(z.dtype), self.relational_labels  # the model's float type
-        else:
-            rel, rel_y = z.new_zeros(0, z.shape[1]), torch.zeros(0, dtype=torch.int64, device=z.device)
+        rel, rel_y = self._relational(z)
         with torch.set_grad_enabled(torch.is_grad_enabled() and o.rpcl_weight > 0):
-            rpcl = rpcl_loss(z, y, rel, rel_y, o.tau)  # FedSC Eq. 13-14
-        consistent, mask = bank_tensors(self.guidance, self.spec.num_classes, z.device)
-        consistent = consistent.to(z.dtype)  # the model's float type (broadcasts are float32)
+            if o.variant == "code":  # main_fedsc.py: self.lcl_func.infonce_lcl_loss(feas, pos_key, neg_keys)
+                rpcl = rpcl_loss_code(z, y, rel, rel_y, o.tau)
+            else:
+                rpcl = rpcl_loss(z, y, rel, rel_y, o.tau)  # FedSC Eq. 13-14
         with torch.set_grad_enabled(torch.is_grad_enabled() and o.cpdr_weight > 0):
-            cpdr = cpdr_loss(z, y, consistent, mask, o.cpdr_reduction)  # FedSC Eq. 15
-        total = ce  # FedSC: L = L_CE + L_RPCL + L_CPDR (weights 1 in the paper)
+            if o.variant == "code":  # main_fedsc.py: reg_vector = feas[i].detach() (the except branch)
+                cpdr = F.mse_loss(z, z.detach())  # 0, with zero gradient
+            else:
+                consistent, mask = bank_tensors(self.guidance, self.spec.num_classes, z.device)
+                consistent = consistent.to(z.dtype)  # the model's float type (broadcasts are float32)
+                cpdr = cpdr_loss(z, y, consistent, mask, o.cpdr_reduction)  # FedSC Eq. 15
+        total = ce  # FedSC Eq. 16: L = L_CE + L_RPCL + L_CPDR (weights 1 in the paper and the code)
         if o.rpcl_weight > 0:
             total = total + o.rpcl_weight * rpcl
         if o.cpdr_weight > 0:

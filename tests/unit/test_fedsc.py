@@ -19,6 +19,7 @@ from rayfed_proto.algorithms.fedsc import (
     neighbor_sets,
     relational_prototypes,
     rpcl_loss,
+    rpcl_loss_code,
 )
 from rayfed_proto.config import build_config
 from rayfed_proto.messages import ClientUpdate, GlobalState
@@ -51,12 +52,16 @@ def fixed_spec(num_clients=3, num_classes=3):
 
 def test_defaults_are_the_authors_code_and_the_paper_is_a_variant():
     o = ALGO.Options()
-    assert (o.num_neighbors, o.tau, o.rpcl_weight, o.cpdr_weight) == (2, 0.05, 1.0, 1.0)
+    assert (o.num_neighbors, o.tau, o.rpcl_weight, o.cpdr_weight) == (0, 0.05, 1.0, 1.0)
     assert (o.variant, o.cpdr_reduction, o.prototype_source) == ("code", "mse", "train_last_epoch")
-    assert (o.aggregation_scope, o.server_lr) == ("latest", 1.0)
+    assert (o.aggregation_scope, o.server_lr) == ("buffer", 1.0)
     paper = ALGO.Options(variant="paper")
-    assert (paper.cpdr_reduction, paper.prototype_source) == ("sum", "eval")
+    assert (paper.cpdr_reduction, paper.prototype_source, paper.num_neighbors, paper.aggregation_scope) == (
+        "sum", "eval", 2, "latest")
     assert ALGO.Options(variant="paper", cpdr_reduction="mean").cpdr_reduction == "mean"  # a set key wins
+    assert ALGO.Options(num_neighbors=2, aggregation_scope="latest").num_neighbors == 2
+    with pytest.warns(FutureWarning, match="prototype_scope"):  # the old name still wins over the variant's default
+        assert ALGO.Options(prototype_scope="latest").aggregation_scope == "latest"
     cfg = build_config({"algorithm": {"name": "fedsc"}, "model": {"group": "HtFE1"}})
     assert cfg.data.global_test_fraction == 0.2 and ALGO.requires_homogeneous_models
 
@@ -262,6 +267,101 @@ def test_cpdr_mse_is_the_authors_f_mse_loss():
     torch.testing.assert_close(z.grad, z2.grad)
 
 
+# ----------------------------------------------------------------------------- variant code: the authors' runnable loss
+
+
+def pooled_reference(z, labels, protos, proto_labels, tau):
+    """main_fedsc.py round_id > 1 with its except branch, written out with lists: every sample's
+    positive is its own detached feature; sample j appends the prototypes of every class but
+    y_j to one pooled list, and every sample is scored against the whole pool (infonce_lcl.py)."""
+    pos_key = [z[i].detach() for i in range(len(z))]
+    pool = [protos[m] for j in range(len(z)) for m in range(len(protos)) if proto_labels[m] != labels[j]]
+    zn = torch.nn.functional.normalize(z, dim=1)
+    pos = (zn * torch.nn.functional.normalize(torch.stack(pos_key), dim=1)).sum(1, keepdim=True)
+    neg = zn @ torch.nn.functional.normalize(torch.stack(pool), dim=1).T
+    logits = torch.cat([pos, neg], 1) / tau
+    return torch.nn.functional.cross_entropy(logits, torch.zeros(len(z), dtype=torch.int64))
+
+
+CODE_PROTOS = torch.tensor([[2.0, 0.0], [0.0, 3.0]])  # an upload of class 0 and one of class 1
+CODE_LABELS = torch.tensor([0, 1])
+
+
+def test_code_rpcl_by_hand():
+    z = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]])
+    y = torch.tensor([0, 1, 0])
+    # pooled negatives: sample 0 adds (0,3), sample 1 adds (2,0), sample 2 adds (0,3): (2,0) once, (0,3) twice.
+    # tau 0.5, positive logit cos(z, z) / tau = 2 for every sample:
+    #   z0 = (1,0): cos (1, 0)     -> log((e^2 + e^2 + 2 e^0) / e^2)        = log(2 + 2 e^-2)
+    #   z1 = (0,2): cos (0, 1)     -> log((e^2 + e^0 + 2 e^2) / e^2)        = log(3 + e^-2)
+    #   z2 = (3,4): cos (0.6, 0.8) -> log((e^2 + e^1.2 + 2 e^1.6) / e^2)    = log(1 + e^-0.8 + 2 e^-0.4)
+    # sample 1's own class prototype (0,3) is among its negatives (added by samples 0 and 2)
+    expected = (math.log(2 + 2 * math.exp(-2)) + math.log(3 + math.exp(-2))
+                + math.log(1 + math.exp(-0.8) + 2 * math.exp(-0.4))) / 3
+    got = rpcl_loss_code(z, y, CODE_PROTOS, CODE_LABELS, 0.5)
+    assert got.item() == pytest.approx(expected, rel=1e-6)
+    assert got.item() == pytest.approx(pooled_reference(z, y, CODE_PROTOS, CODE_LABELS, 0.5).item(), rel=1e-6)
+    # a batch of one class: (2,0) never enters the pool; z0 = (1,0) against (0,3) once: log(1 + e^-2)
+    one = rpcl_loss_code(z[:1], y[:1], CODE_PROTOS, CODE_LABELS, 0.5)
+    assert one.item() == pytest.approx(math.log(1 + math.exp(-2)), rel=1e-6)
+    # an empty pool (only the sample's own class uploaded; the code's torch.stack([]) would raise): 0
+    assert rpcl_loss_code(z[:1], y[:1], CODE_PROTOS[:1], CODE_LABELS[:1], 0.5).item() == 0.0
+    assert rpcl_loss_code(z, y, CODE_PROTOS[:0], CODE_LABELS[:0], 0.5).item() == 0.0
+
+
+def test_code_rpcl_gradient_is_the_pooled_lists_and_the_positive_pulls_nothing():
+    z = torch.tensor([[1.0, 0.5], [0.2, 1.0], [0.7, -0.3]], requires_grad=True)
+    y = torch.tensor([0, 1, 0])
+    rpcl_loss_code(z, y, CODE_PROTOS, CODE_LABELS, 0.05).backward()
+    z2 = z.detach().clone().requires_grad_(True)
+    pooled_reference(z2, y, CODE_PROTOS, CODE_LABELS, 0.05).backward()
+    torch.testing.assert_close(z.grad, z2.grad)
+    # the positive logit is the constant 1 / tau: the same loss with it as a number has the same gradient
+    z3 = z.detach().clone().requires_grad_(True)
+    neg = torch.nn.functional.normalize(z3, dim=1) @ torch.nn.functional.normalize(CODE_PROTOS, dim=1).T / 0.05
+    mult = torch.tensor([1.0, 2.0])  # (2,0): one sample of another class; (0,3): two
+    loss = (torch.logsumexp(torch.cat([torch.full((3, 1), 1 / 0.05), neg + mult.log()], 1), 1) - 1 / 0.05).mean()
+    loss.backward()
+    torch.testing.assert_close(z.grad, z3.grad)
+    # no negatives: the positive alone, loss 0 and no gradient
+    z4 = z.detach().clone().requires_grad_(True)
+    rpcl_loss_code(z4, y, CODE_PROTOS[:0], CODE_LABELS[:0], 0.05).backward()
+    assert torch.count_nonzero(z4.grad) == 0
+
+
+def code_state():
+    """The previous version's uploads as broadcast under variant code (M = 0: r_k^j = c_k^j)."""
+    rel = np.zeros((3, 3, 2), np.float32)
+    mask = np.zeros((3, 3), bool)
+    rel[0, 0], rel[1, 1] = [2, 0], [0, 3]
+    mask[0, 0] = mask[1, 1] = True
+    return GlobalState(version=1, prototypes=pset([0, 1], [[0, 4], [9, 9]], [1, 1]),
+                       extras={"relational": rel, "relational_mask": mask})
+
+
+def test_code_client_loss_is_ce_plus_rpcl_and_cpdr_is_zero_without_gradient():
+    z = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    y = torch.tensor([0, 1, 0])
+    client, model = client_with(code_state(), tau=0.5)  # variant code by default; consistent o^y far from z
+    loss, terms = client.loss(model, z, y)
+    rpcl = (math.log(2 + 2 * math.exp(-2)) + math.log(3 + math.exp(-2))
+            + math.log(1 + math.exp(-0.8) + 2 * math.exp(-0.4))) / 3  # test_code_rpcl_by_hand
+    assert terms["cpdr"] == 0.0  # F.mse_loss(feas, feas.detach())
+    assert terms["rpcl"] == pytest.approx(rpcl, rel=1e-6)
+    assert loss.item() == pytest.approx(math.log(3) + rpcl, rel=1e-6)
+    loss.backward()
+    # FixedModel's head is zero, so CE gives z no gradient (W^T (p - y) = 0): z's gradient is RPCL's alone
+    z2 = z.detach().clone().requires_grad_(True)
+    rpcl_loss_code(z2, y, CODE_PROTOS, CODE_LABELS, 0.5).backward()
+    torch.testing.assert_close(z.grad, z2.grad)
+    # the CPDR term alone: 0 with a zero gradient, whatever the weight
+    z3 = z.detach().clone().requires_grad_(True)
+    heavy, model = client_with(code_state(), tau=0.5, rpcl_weight=0.0, cpdr_weight=100.0)
+    loss, terms = heavy.loss(model, z3, y)
+    loss.backward()
+    assert terms["cpdr"] == 0.0 and torch.count_nonzero(z3.grad) == 0
+
+
 # ----------------------------------------------------------------------------- client
 
 
@@ -283,7 +383,8 @@ def sc_state(version=1):
 
 def test_client_loss_is_ce_plus_weighted_terms():
     z, y = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 1])
-    client, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.5, cpdr_weight=2.0, cpdr_reduction="sum")
+    client, model = client_with(sc_state(), variant="paper", tau=0.5, rpcl_weight=0.5, cpdr_weight=2.0,
+                                cpdr_reduction="sum")
     loss, terms = client.loss(model, z, y)
     assert set(terms) == {"ce", "rpcl", "cpdr"}
     assert terms["ce"] == pytest.approx(math.log(3))  # zero head
@@ -293,13 +394,15 @@ def test_client_loss_is_ce_plus_weighted_terms():
     assert terms["cpdr"] == pytest.approx(5.0)  # only sample 0 has o^0 = (0, 4): |1| + |0 - 4| = 5
     assert loss.item() == pytest.approx(math.log(3) + 0.5 * rpcl + 2.0 * 5.0, rel=1e-6)
     np.testing.assert_array_equal(client.inference_bank().vectors, [[0, 4]])  # nearest consistent prototype
-    off, model = client_with(sc_state(), tau=0.5, rpcl_weight=0.0, cpdr_weight=0.0, cpdr_reduction="sum")
+    off, model = client_with(sc_state(), variant="paper", tau=0.5, rpcl_weight=0.0, cpdr_weight=0.0,
+                             cpdr_reduction="sum")
     loss, terms = off.loss(model, z, y)
     assert loss.item() == pytest.approx(math.log(3)) and terms["cpdr"] == pytest.approx(5.0)  # logged, not optimised
 
 
-def test_client_before_any_prototype_trains_on_ce_only():
-    client, model = client_with(GlobalState(version=0))
+@pytest.mark.parametrize("variant", ["code", "paper"])
+def test_client_before_any_prototype_trains_on_ce_only(variant):
+    client, model = client_with(GlobalState(version=0), variant=variant)
     loss, terms = client.loss(model, torch.tensor([[1.0, 0.0]]), torch.tensor([0]))
     assert loss.item() == pytest.approx(math.log(3)) and terms["rpcl"] == terms["cpdr"] == 0.0
     # an all-False mask is the same as none
@@ -360,7 +463,7 @@ def updates_for(sets, base_version=0):
 
 
 def test_server_computes_relational_and_consistent_prototypes_by_hand():
-    server = ALGO.Server(ALGO.Options(num_neighbors=1), fixed_spec(), CPU)
+    server = ALGO.Server(ALGO.Options(variant="paper", num_neighbors=1), fixed_spec(), CPU)
     state0 = server.broadcast(0)
     assert state0.prototypes is not None and len(state0.prototypes) == 0
     assert state0.extras["relational"].shape == (3, 3, 2) and not state0.extras["relational_mask"].any()
@@ -384,14 +487,38 @@ def test_server_computes_relational_and_consistent_prototypes_by_hand():
     np.testing.assert_array_equal(server.guidance_bank().vectors, state.prototypes.vectors)
 
 
+def test_code_server_sends_only_this_versions_uploads_unmerged_and_weighs_over_every_client():
+    """main_fedsc.py FedSC_main: re_p = get_re_p(list_local_p) of the round's online_clients, the
+    raw uploads (the merge writes into a copy); get_co_p: e normalised over all of them."""
+    server = ALGO.Server(ALGO.Options(), fixed_spec(), CPU)  # variant code: M = 0, scope buffer
+    server.aggregate(updates_for(UPLOADS), [1.0] * 3, 1)
+    state = server.broadcast(1)
+    np.testing.assert_allclose(state.extras["relational"][:, 0], [[1, 0], [0, 1], [1, 1]])  # c_k^0 themselves
+    np.testing.assert_allclose(state.extras["relational"][0, 1], [0, 3])
+    # counts and d as in test_server_computes_relational_and_consistent_prototypes_by_hand
+    d0 = math.sqrt(0.5 * ((3 / 4 - 1 / 3) ** 2 + (1 / 4 - 1 / 3) ** 2 + (1 / 3) ** 2))
+    d1 = math.sqrt(1 / 3)
+    dsum = d0 + 2 * d1
+    w = np.array([sig(4 / 10 - d0 / dsum), sig(2 / 10 - d1 / dsum), sig(4 / 10 - d1 / dsum)])
+    e = w / w.sum()  # over the three clients, for every class
+    o0 = e[0] * np.array([1, 0]) + e[1] * np.array([0, 1]) + e[2] * np.array([1, 1])
+    np.testing.assert_allclose(state.prototypes.vectors, [o0, e[0] * np.array([0, 3])], rtol=1e-6)  # o^1: e_0 < 1
+    # the next version aggregates client 1 alone: its class-0 upload is the only prototype sent
+    server.aggregate([ClientUpdate(1, 1, 2, prototypes=pset([0], [[0, 5]], [2]))], [1.0], 2)
+    mask = server.broadcast(2).extras["relational_mask"]
+    assert mask.tolist() == [[False, False, False], [True, False, False], [False, False, False]]
+    client, _ = client_with(server.broadcast(2))
+    assert client.relational.tolist() == [[0.0, 5.0]] and client.relational_labels.tolist() == [0]
+
+
 def test_latest_scope_keeps_every_client_with_its_staleness():
     # M = 0: r_k = c_k. Both clients uniform over 2 classes with 4 samples: equal sigmoid terms,
     # so e_k is proportional to the staleness weight alone
     spec = fixed_spec(num_clients=2, num_classes=2)
     a = pset([0, 1], [[1, 0], [0, 1]], [2, 2])
     b = pset([0, 1], [[3, 0], [0, 3]], [2, 2])
-    latest = ALGO.Server(ALGO.Options(num_neighbors=0), spec, CPU)
-    buffer = ALGO.Server(ALGO.Options(num_neighbors=0, aggregation_scope="buffer"), spec, CPU)
+    latest = ALGO.Server(ALGO.Options(variant="paper", num_neighbors=0), spec, CPU)
+    buffer = ALGO.Server(ALGO.Options(variant="paper", num_neighbors=0, aggregation_scope="buffer"), spec, CPU)
     for server in (latest, buffer):
         server.aggregate([ClientUpdate(0, 0, 4, prototypes=a)], [1.0], 1)
         server.aggregate([ClientUpdate(1, 1, 4, prototypes=b)], [1.0], 2)
@@ -417,9 +544,10 @@ def test_buffer_scope_keeps_the_last_consistent_prototype_of_classes_not_in_the_
     assert server.bank.updated_at.tolist() == [2, 1]
 
 
-def test_round_trip_and_state_dict_restores_identical_broadcasts():
+@pytest.mark.parametrize("variant", ["code", "paper"])
+def test_round_trip_and_state_dict_restores_identical_broadcasts(variant):
     torch.manual_seed(0)
-    opts = ALGO.Options()
+    opts = ALGO.Options(variant=variant)
     spec = tiny_spec()
     server = ALGO.Server(opts, spec, CPU)
     clients = [ALGO.Client(opts, spec, k) for k in range(3)]
@@ -444,7 +572,8 @@ def test_round_trip_and_state_dict_restores_identical_broadcasts():
     assert state1.prototypes.class_ids.tolist() == [0, 1, 2]
     assert state1.extras["relational_mask"][:, 2].tolist() == [False, False, True]
     assert not state1.extras["relational_mask"][:, 3].any()
-    np.testing.assert_allclose(state1.prototypes.vectors[2], server.latest[2][0].vectors[2], rtol=1e-6)  # one holder
+    if variant == "paper":  # one holder: e = 1 (variant code divides by every client's weight)
+        np.testing.assert_allclose(state1.prototypes.vectors[2], server.latest[2][0].vectors[2], rtol=1e-6)
     saved = server.state_dict()
     fresh = ALGO.Server(opts, tiny_spec(seed=7), CPU)
     fresh.load_state_dict(saved)

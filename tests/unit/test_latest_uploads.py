@@ -228,7 +228,7 @@ def test_fedprotokd_keeps_the_newer_logits_and_prototypes_of_a_client():
 def sc_server(**kw):
     algo = ALGORITHMS.get("fedsc")
     spec = FederationSpec(num_clients=2, num_classes=2, feature_dim=2, seed=0, build_model=lambda: FixedModel(2, 2))
-    return algo.Server(algo.Options(num_neighbors=0, **kw), spec, CPU)
+    return algo.Server(algo.Options(**{"num_neighbors": 0, "aggregation_scope": "latest", **kw}), spec, CPU)
 
 
 def test_fedsc_keeps_the_newer_upload_of_a_client():
