@@ -125,8 +125,10 @@ def _check_columns(r: Reproduction, scale: str, columns: Optional[Sequence[str]]
 
 
 def make_plan(paper: str, table: Optional[str] = None, *, scale: str = "small", seeds: Optional[Sequence[int]] = None,
-              columns: Optional[Sequence[str]] = None, overrides: Sequence[str] = ()) -> Plan:
-    """Every run of the reproduction, its config built and checked (no Ray, nothing written)."""
+              columns: Optional[Sequence[str]] = None, methods: Optional[Sequence[str]] = None,
+              overrides: Sequence[str] = ()) -> Plan:
+    """Every run of the reproduction, its config built and checked (no Ray, nothing written).
+    ``methods``: a subset of the table's algorithms (default: all of them)."""
     from rayfed_proto.runtime.seeds import check_no_seed_override, check_seeds
 
     r = find(paper, table)
@@ -135,11 +137,16 @@ def make_plan(paper: str, table: Optional[str] = None, *, scale: str = "small", 
     seed_list = check_seeds(list(DEFAULT_SEEDS) if seeds is None else seeds)
     check_no_seed_override(overrides)
     chosen, skipped = _check_columns(r, scale, columns)
+    ours = [m.algorithm for m in r.methods]
+    bad = [m for m in methods or () if m not in ours]
+    if bad:
+        raise ConfigError([ConfigIssue(key="--methods", value=m, allowed=f"methods of {r.paper} {r.table}: "
+                                       + ", ".join(ours)) for m in bad])
     runs = []
     for setting in dict.fromkeys(r.column(c).setting for c in chosen):
         scaled = getattr(r.settings[setting], scale)
         cols = tuple(c for c in chosen if r.column(c).setting == setting)
-        for method in r.methods:
+        for method in (m for m in r.methods if not methods or m.algorithm in methods):
             items = (*scaled.overrides, *method.overrides, *(method.small_overrides if scale == "small" else ()),
                      *overrides)
             runs.append(PlannedRun(setting, cols, method, scaled.preset, items,
@@ -279,9 +286,10 @@ def result_rows(plan: Plan, values: dict[tuple[str, str], list[float]]) -> list[
     """One row per (column, published row of a method we ran): the paper's number and std, ours
     (mean and population std over the seeds, in %), n, and ours minus the paper's (points)."""
     r, pub = plan.reproduction, plan.reproduction.published
+    ran = {run.method.algorithm for run in plan.runs}
     out = []
     for column in plan.columns:
-        for method in r.methods:
+        for method in (m for m in r.methods if m.algorithm in ran):
             for row in method.rows:
                 metric = cell_metric(r, plan.scale, method, row, column)
                 cell = pub.cell(row, column)
