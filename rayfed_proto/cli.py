@@ -1,4 +1,4 @@
-"""``rayfed-proto``: run, validate, list and tune.
+"""``rayfed-proto``: run, validate, list, tune, compare and reproduce.
 
 Exit codes: 0 success; 2 invalid input (config, dataset, resources, a run folder in use or with
 no usable checkpoint), with a message naming the key or file, the value and what is allowed;
@@ -356,6 +356,36 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_reproduce(args) -> int:
+    """A paper's table as its authors ran it (``--scale full``) or tiny on a CPU (``--scale small``):
+    3 seeds per method, our mean ± std beside the published numbers (docs/reproduce.md)."""
+    from rayfed_proto.reproduce import runner
+
+    if args.list:
+        print(runner.list_text())
+        return 0
+    if args.paper is None:
+        raise ConfigError([ConfigIssue(key="PAPER", value=None, allowed=", ".join(runner.MAIN_TABLE)
+                                       + " (rayfed-proto reproduce --list names every table)")])
+    sets = list(args.set) + ([f"tracking.tracking_uri={args.tracking_uri}"] if args.tracking_uri else [])
+    plan = runner.make_plan(args.paper, args.table, scale=args.scale, seeds=args.seeds, columns=args.columns,
+                            methods=args.methods, overrides=sets)
+    print(plan.describe(), flush=True)
+    if args.dry_run:
+        return 0
+    outcome = runner.execute(plan, out_dir=Path(args.out) if args.out else None, experiment_name=args.experiment_name,
+                             progress=not args.no_progress)
+    print(outcome.markdown)
+    print(f"\nfiles: {', '.join(str(p) for p in outcome.files.values())}")
+    if outcome.parent_run_id:
+        print(f"MLflow: parent run {outcome.parent_run_id} in experiment {outcome.experiment_name!r}; "
+              f"{browse_hint(outcome.tracking_uri, outcome.parent_run_id)}")
+    if outcome.failures:
+        print("error: " + "; ".join(outcome.failures), file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayfed-proto", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -418,6 +448,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLflow experiment of the comparison run (default: rayfed_proto_compare)")
     p.add_argument("--no-log", action="store_true", help="write the files only, log no comparison run")
     p.set_defaults(func=cmd_compare)
+    p = sub.add_parser("reproduce", help="run a paper's table (3 seeds per method) and set ours beside its numbers")
+    p.add_argument("paper", nargs="?", metavar="PAPER", help="fedsa, fedlsa, fedprotokd, fedsc or fedsap (--list)")
+    p.add_argument("table", nargs="?", metavar="TABLE", help="the paper's table, e.g. table2 (default: its main table)")
+    p.add_argument("--list", action="store_true", help="name every table that can be reproduced, and exit")
+    p.add_argument("--scale", choices=("small", "full"), default="small",
+                   help="small: minutes on a CPU, embedded stand-in data (NOT the paper's experiment; default); "
+                        "full: the paper's data, clients and rounds (a GPU cluster)")
+    p.add_argument("--columns", nargs="+", metavar="COLUMN", help="the table's columns to run (default: small: the "
+                   "main one; full: every column this platform can build)")
+    p.add_argument("--methods", nargs="+", metavar="ALGORITHM", help="the table's methods to run (default: all)")
+    p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="seeds per method (default: 0 1 2)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config entry of every run, e.g. --set tracking.output_dir=runs (repeatable)")
+    p.add_argument("--tracking-uri", help="MLflow store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db, as for run)")
+    p.add_argument("--experiment-name", help="MLflow experiment of the runs (default: reproduce_<paper>)")
+    p.add_argument("--out", metavar="DIR", help="folder for reproduce.csv and reproduce.md "
+                                                "(default: ./reproduce-<paper>-<table>-<scale>-<time>)")
+    p.add_argument("--dry-run", action="store_true", help="print the runs (presets and overrides) and exit: no Ray")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
+    p.set_defaults(func=cmd_reproduce)
     return parser
 
 
