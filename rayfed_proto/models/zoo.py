@@ -329,7 +329,9 @@ def _register_resnet(depth: int, width: int, weights: Optional[str]) -> None:
         return model
 
     published = f"ImageNet weights; {width}-d" if weights else f"no published weights; {width}-d"
-    register_backbone(f"resnet{depth}", help=f"torchvision ResNet-{depth} (model.stem imagenet|cifar); {published}",
+    what = "HtFLlib's ResNet-10 (torchvision's ResNet, BasicBlocks [1, 1, 1, 1])" if depth == 10 else \
+        f"torchvision ResNet-{depth}"
+    register_backbone(f"resnet{depth}", help=f"{what} (model.stem imagenet|cifar); {published}",
                       stem=True, imagenet_weights=weights)(make)
 
 

@@ -186,6 +186,10 @@ def test_config_accepts_them_where_they_apply_and_only_the_used_architectures_co
     build_config({"model": {"group": "HtFE2", "stem": "cifar"}, "federation": {"num_clients": 2}})
     # imagenet validates offline (the download fails in this fixture): weights load when a model is built
     assert build_config({"model": {"group": "ResNet18", "weights": "imagenet"}}).model.weights == "imagenet"
-    sap = load_config(resolve_config_arg("fedsap_cifar10"))
+    sap = load_config(resolve_config_arg("fedsap_cifar10"))  # FedSAP Sec. 4.1 and appendix Table 5 (CIFAR-10)
     assert (sap.model.weights, sap.model.group) == ("imagenet", "ResNet18")
+    p = sap.data.partition
+    assert (p.n_way, p.n_way_std, p.k_shot, p.k_shot_std, p.k_shot_distribution) == (3, 1, 100, 1.0, "normal")
+    fedsc = load_config(resolve_config_arg("fedsc_cifar10"))  # FedSC's ResNet-10 with its CIFAR stem
+    assert (fedsc.model.group, fedsc.model.stem, fedsc.model.weights) == ("ResNet10", "cifar", "none")
     assert not list(offline_hub.rglob("*"))
