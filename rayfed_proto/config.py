@@ -165,6 +165,15 @@ class ModelConfig(_Section):
         "weights, drawn from the run's seed (HtFLlib seeds torch with 0 before building each client's model; PFLlib "
         "copies one model to every client); per_client = each client's own draw (seeded with its id)")
     normalize_features: bool = Field(False, description="L2-normalise features before the head (hyperspherical methods)")
+    stem: Literal["imagenet", "cifar"] = Field(
+        "imagenet", description="the ResNets' stem (other architectures have none): imagenet = torchvision's conv7x7 "
+        "stride 2 + max-pool (HtFLlib's, a 32x32 image is 8x8 at the first block); cifar = conv3x3 stride 1, no pool "
+        "(FedSC's model/resnet_base.py, 32x32 stays 32x32)")
+    weights: str = Field(
+        "none", min_length=1, description="the extractor's initial weights: none (random init, model.init); imagenet "
+        "(torchvision's published IMAGENET1K_V1 weights, downloaded into the torch hub cache when the model is built; "
+        "ResNets 18-152, GoogLeNet, MobileNetV2); or the path of a state_dict file (.pt/.pth) of the extractor. A "
+        "first conv of another shape (data channels, stem: cifar) keeps its init")
 
 
 class TrainingConfig(_Section):
@@ -853,6 +862,8 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
             issues.append(ConfigIssue(key=f"algorithm.{key}", value=value, allowed=allowed))
     issues.extend(_registered_issues("data", cfg))  # data.name, data.partition.name
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)
+    if group_ok:
+        issues.extend(model_issues(cfg))
 
     if algo_cls is not None and group_ok and algo_cls.requires_homogeneous_models:
         if not group_is_homogeneous(cfg.model.group, cfg.federation.num_clients):
@@ -885,6 +896,39 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
                                   allowed="a fraction <= 1 or a whole number of GPUs (Ray's rule)"))
     # system.*: profile CSVs read now, so `validate` refuses a bad file before Ray starts
     issues.extend(_registered_issues("system", cfg))
+    return issues
+
+
+def model_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """``model.stem`` and ``model.weights`` against the architectures of this run's clients
+    (client i gets archs[i % len]). Nothing is downloaded or read here: weights load when a model
+    is built (rayfed_proto.models.weights), so a config with ``imagenet`` validates offline."""
+    from rayfed_proto.models import ARCHITECTURES, MODEL_GROUPS, imagenet_weights, takes_stem
+
+    m = cfg.model
+    used = list(dict.fromkeys(MODEL_GROUPS.get(m.group)[:cfg.federation.num_clients]))
+    issues: list[ConfigIssue] = []
+    if m.stem != "imagenet" and not any(takes_stem(a) for a in used):
+        with_stem = ", ".join(a for a in ARCHITECTURES.names() if takes_stem(a))
+        issues.append(ConfigIssue(key="model.stem", value=m.stem, allowed=(
+            f"imagenet: group {m.group!r} ({', '.join(used)}) has no architecture with a stem choice (those that "
+            f"have one: {with_stem})")))
+    if m.weights == "imagenet":
+        lacking = [a for a in used if imagenet_weights(a) is None]
+        if lacking:
+            having = ", ".join(a for a in ARCHITECTURES.names() if imagenet_weights(a))
+            issues.append(ConfigIssue(key="model.weights", value=m.weights, allowed=(
+                f"none or a path: {', '.join(lacking)} (group {m.group!r}) have no published ImageNet weights in "
+                f"torchvision (those that have: {having})")))
+    elif m.weights != "none":
+        if len(used) > 1:
+            issues.append(ConfigIssue(key="model.weights", value=m.weights, allowed=(
+                f"none or imagenet: a weights file holds one extractor, and group {m.group!r} gives this run's "
+                f"clients {len(used)} architectures ({', '.join(used)})")))
+        elif not Path(m.weights).expanduser().is_file():
+            issues.append(ConfigIssue(key="model.weights", value=m.weights, allowed=(
+                "none, imagenet (torchvision's published weights, downloaded into the torch hub cache) or the path "
+                "of an existing state_dict file (.pt/.pth) of the extractor: no file there")))
     return issues
 
 

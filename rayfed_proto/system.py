@@ -100,10 +100,10 @@ def count_macs(model, input_shape: tuple[int, ...]) -> int:
 
 @functools.cache
 def architecture_macs(arch: str, in_channels: int, image_size: int, num_classes: int, feature_dim: int,
-                      projector: str = "linear") -> int:
+                      projector: str = "linear", stem: str = "imagenet") -> int:
     """MACs of one forward pass of one ``in_channels`` x ``image_size`` x ``image_size`` sample
     through the zoo's ``arch`` (extractor, projection, head). Depends only on shapes, not on
-    weights or the machine. The model is built on torch's ``meta`` device (shapes only: nothing
+    weights or the machine (``stem``: ``model.stem``, the ResNets' first layers). The model is built on torch's ``meta`` device (shapes only: nothing
     initialised) and counted on an uninitialised CPU copy (``to_empty``), one image through it;
     a forward on ``meta`` itself would import torch's Python meta kernels, about 2 s of a run's
     start-up. An architecture that cannot be built on ``meta`` is built on the CPU. Either way
@@ -116,12 +116,12 @@ def architecture_macs(arch: str, in_channels: int, image_size: int, num_classes:
     with torch.random.fork_rng(devices=[]):
         try:
             with torch.device("meta"):
-                model = build_model(arch, in_channels, image_size, num_classes, feature_dim, projector=projector)
+                model = build_model(arch, in_channels, image_size, num_classes, feature_dim, projector=projector, stem=stem)
             # counted on an uninitialised CPU copy: a forward on meta imports torch's meta kernels (~2 s)
             return count_macs(_on_cpu_if_meta(model), shape)
         except (RuntimeError, ValueError):  # an op meta cannot run (the zoo reports dry-run failures as
             pass  # ValueError): the CPU build below computes the same count, or raises the real error
-        return count_macs(build_model(arch, in_channels, image_size, num_classes, feature_dim, projector=projector),
+        return count_macs(build_model(arch, in_channels, image_size, num_classes, feature_dim, projector=projector, stem=stem),
                           shape)
 
 
@@ -695,7 +695,7 @@ class SystemModel:
                 cost[arch] = float(sysc.cost_per_sample[arch])
             else:
                 macs = architecture_macs(arch, in_channels, image_size, num_classes, cfg.model.feature_dim,
-                                         cfg.model.projector)
+                                         cfg.model.projector, cfg.model.stem)
                 cost[arch] = seconds_per_sample(macs, sysc.reference_flops)
         av = sysc.availability
         kwargs: dict = {"availability": av.kind}
@@ -720,7 +720,8 @@ class SystemModel:
         kwargs.update(server_speed=server_speed(sysc.server, cfg.seed), server_work=server_work,
                       reference_flops=sysc.reference_flops,
                       server_arch_cost_s={a: sysc.cost_per_sample.get(a) or seconds_per_sample(architecture_macs(
-                          a, in_channels, image_size, num_classes, cfg.model.feature_dim, cfg.model.projector),
+                          a, in_channels, image_size, num_classes, cfg.model.feature_dim, cfg.model.projector,
+                          cfg.model.stem),
                           sysc.reference_flops) for a in server_archs})
         return cls(speeds, archs, cost, list(train_sizes), cfg.training.local_epochs,
                    sysc.upload_bytes_per_s, sysc.download_bytes_per_s, work=work, **kwargs)

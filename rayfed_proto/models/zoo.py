@@ -16,8 +16,11 @@ phi) are the learnable options.
 Architectures (``ARCHITECTURES``) adapt to the dataset: the first convolution takes the
 dataset's channels, and the width of the extractor's flat output (``backbone_dim``) is measured
 with a dry run at the dataset's image size, so no per-dataset constants are hard-coded.
-Models are untrained (``weights=None``): pretrained weights are neither available offline nor
-used by the papers' heterogeneous-model experiments.
+Models start untrained by default (``model.weights: none``), as the papers' heterogeneous-model
+experiments; ``model.weights: imagenet | <path>`` loads torchvision's published ImageNet weights or
+a local file into the extractor (:mod:`rayfed_proto.models.weights`). The ResNets take
+``model.stem``: ``imagenet`` (torchvision's 7x7 stride-2 conv + 3x3 stride-2 max-pool, as
+HtFLlib's) or ``cifar`` (a 3x3 stride-1 conv, no pool, as FedSC's ``model/resnet_base.py``).
 
 Groups (``MODEL_GROUPS``) list architecture names; client ``i`` gets ``archs[i % len(archs)]``,
 the assignment rule of HtFLlib that the FedSA and FedTGP experiments use.
@@ -29,6 +32,7 @@ points in group ``rayfed_proto.models`` (loaded by ``rayfed_proto.models`` after
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Callable
 from typing import Optional
@@ -37,9 +41,14 @@ import torch
 from torch import nn
 
 from rayfed_proto.models import ARCHITECTURES, MODEL_GROUPS
+from rayfed_proto.models.weights import load_extractor_weights
 
-BackboneFactory = Callable[[int, int], nn.Module]
-"""``(in_channels, image_size) -> module`` mapping (B, C, H, W) images to flat (B, backbone_dim)."""
+BackboneFactory = Callable[..., nn.Module]
+"""``(in_channels, image_size) -> module`` mapping (B, C, H, W) images to flat (B, backbone_dim);
+registered with ``stem=True``, ``(in_channels, image_size, stem) -> module``."""
+
+STEMS = ("imagenet", "cifar")
+"""``model.stem`` choices for the architectures that take one (the ResNets)."""
 
 
 PROJECTORS = ("pool", "linear", "mlp")
@@ -151,33 +160,57 @@ def _on_cpu_if_meta(module: nn.Module) -> nn.Module:
         return copy.deepcopy(module).to_empty(device="cpu")
 
 
-def register_backbone(name: str, help: str) -> Callable[[BackboneFactory], BackboneFactory]:
+def register_backbone(name: str, help: str, *, stem: bool = False,
+                      imagenet_weights: Optional[str] = None) -> Callable[[BackboneFactory], BackboneFactory]:
     """Decorator: register a backbone factory under ``name`` in ``ARCHITECTURES`` as a ``ProtoModel`` builder.
 
     The factory is ``(in_channels, image_size) -> nn.Module`` mapping (B, C, H, W) images to flat
     (B, backbone_dim); the projector to ``feature_dim`` (``model.projector``) and the head are added here, and
     ``backbone_dim`` is measured with a dry run. Plug-in packages (entry point group
     ``rayfed_proto.models``) use it as the built-ins do.
+
+    ``stem=True``: the factory also takes ``stem`` (one of :data:`STEMS`, ``model.stem``); other
+    architectures ignore ``model.stem``. ``imagenet_weights``: the name of its torchvision weights
+    (``"ResNet18_Weights.IMAGENET1K_V1"``), which ``model.weights: imagenet`` loads; None: it has none.
+    The builder carries both as attributes ``takes_stem`` and ``imagenet_weights``.
     """
 
     def decorator(make_backbone: BackboneFactory) -> BackboneFactory:
-        dims: dict[tuple[int, int], int] = {}  # the dry run once per input shape: a worker builds its clients' models often
+        dims: dict[tuple[int, int, str], int] = {}  # the dry run once per input shape: a worker builds its clients' models often
 
         def builder(in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
-                    projector: str = "pool", normalize: bool = False) -> ProtoModel:
-            backbone = make_backbone(in_channels, image_size)
-            if (in_channels, image_size) not in dims or any(isinstance(m, nn.modules.lazy.LazyModuleMixin)
-                                                           for m in backbone.modules()):
-                dims[in_channels, image_size] = _output_dim(name, backbone, in_channels, image_size)
-            return ProtoModel(name, backbone, dims[in_channels, image_size], feature_dim, num_classes, projector,
-                              normalize)
+                    projector: str = "pool", normalize: bool = False, *, stem: str = "imagenet",
+                    weights: str = "none") -> ProtoModel:
+            if stem not in STEMS:
+                raise ValueError(f"model.stem must be one of {', '.join(map(repr, STEMS))}, got {stem!r}")
+            stem = stem if builder.takes_stem else "imagenet"  # model.stem: only the architectures with a stem
+            backbone = make_backbone(in_channels, image_size, stem=stem) if builder.takes_stem else \
+                make_backbone(in_channels, image_size)
+            shape = (in_channels, image_size, stem)
+            if shape not in dims or any(isinstance(m, nn.modules.lazy.LazyModuleMixin) for m in backbone.modules()):
+                dims[shape] = _output_dim(name, backbone, in_channels, image_size)
+            if weights != "none":
+                load_extractor_weights(name, backbone, weights, builder.imagenet_weights)
+            return ProtoModel(name, backbone, dims[shape], feature_dim, num_classes, projector, normalize)
 
         builder.__name__ = builder.__qualname__ = f"build_{name}"
         builder.__doc__ = help
+        builder.takes_stem = stem
+        builder.imagenet_weights = imagenet_weights
         ARCHITECTURES.add(name, builder, help=help)
         return make_backbone
 
     return decorator
+
+
+def takes_stem(arch: str) -> bool:
+    """Whether ``arch`` has a ``model.stem`` choice (the ResNets)."""
+    return getattr(ARCHITECTURES.get(arch), "takes_stem", False)
+
+
+def imagenet_weights(arch: str) -> Optional[str]:
+    """The torchvision weights ``model.weights: imagenet`` loads into ``arch``; None where it has none."""
+    return getattr(ARCHITECTURES.get(arch), "imagenet_weights", None)
 
 
 def _first_conv(conv: nn.Conv2d, in_channels: int, init: Callable[[torch.Tensor], object]) -> nn.Conv2d:
@@ -238,11 +271,12 @@ def _cnn(in_channels: int, image_size: int) -> nn.Module:
     )
 
 
-@register_backbone("googlenet", help="torchvision GoogLeNet (Inception v1), untrained, no aux heads; 1024-d")
+@register_backbone("googlenet", help="torchvision GoogLeNet (Inception v1), no aux heads; ImageNet weights; 1024-d",
+                   imagenet_weights="GoogLeNet_Weights.IMAGENET1K_V1")
 def _googlenet(in_channels: int, image_size: int) -> nn.Module:
     # Needs images of at least 15x15: below that a max pool receives an empty map.
     # transform_input re-normalises 3 ImageNet channels, wrong for other data and impossible with 1
-    # channel. torchvision's dropout before the removed fc stays: it regularises the features in
+    # channel (also with model.weights: imagenet, whose file torchvision pairs with transform_input=True). torchvision's dropout before the removed fc stays: it regularises the features in
     # training and is off in eval mode, where prototypes are computed.
     import torchvision  # imported lazily: 1.5 s per process, and the small CNNs never need it
 
@@ -252,7 +286,8 @@ def _googlenet(in_channels: int, image_size: int) -> nn.Module:
     return model
 
 
-@register_backbone("mobilenet_v2", help="torchvision MobileNetV2, untrained; 1280-d")
+@register_backbone("mobilenet_v2", help="torchvision MobileNetV2; ImageNet weights; 1280-d",
+                   imagenet_weights="MobileNet_V2_Weights.IMAGENET1K_V1")
 def _mobilenet_v2(in_channels: int, image_size: int) -> nn.Module:
     import torchvision
 
@@ -262,23 +297,57 @@ def _mobilenet_v2(in_channels: int, image_size: int) -> nn.Module:
     return model
 
 
-def _register_resnet(depth: int, width: int) -> None:
-    # torchvision's ImageNet stem (conv7x7/2 + maxpool) is kept, as HtFLlib does: small images
-    # reach 1x1 maps early, and the adaptive average pool still yields finite features.
-    def make(in_channels: int, image_size: int) -> nn.Module:
+def _resnet_stem(model: nn.Module, in_channels: int, stem: str) -> None:
+    """Replace ``model``'s stem for ``in_channels`` inputs: ``imagenet`` keeps torchvision's (conv7x7
+    stride 2, padding 3, then maxpool3x3 stride 2: a 32x32 image is 8x8 at the first block), as
+    HtFLlib's ResNets; ``cifar`` is FedSC's (hwang52/FedSC model/resnet_base.py, ``ResNet.__init__``
+    ``self.conv1 = conv3x3(3, nf * 1)`` and ``forward`` without a max-pool): conv3x3 stride 1,
+    padding 1, no bias, no pool, so a 32x32 image is 32x32 at the first block. BatchNorm and ReLU
+    after the conv are torchvision's ``bn1``/``relu`` either way."""
+    if stem == "cifar":
+        model.conv1 = nn.Conv2d(in_channels, model.conv1.out_channels, kernel_size=3, stride=1, padding=1, bias=False)
+        _kaiming_fan_out(model.conv1.weight)
+        model.maxpool = nn.Identity()
+    else:
+        model.conv1 = _first_conv(model.conv1, in_channels, _kaiming_fan_out)
+
+
+def _register_resnet(depth: int, width: int, weights: Optional[str]) -> None:
+    # With the imagenet stem, small images reach 1x1 maps early, and the adaptive average pool
+    # still yields finite features.
+    def make(in_channels: int, image_size: int, stem: str) -> nn.Module:
         import torchvision
 
-        constructor = getattr(torchvision.models, f"resnet{depth}")
-        model = constructor(weights=None)
-        model.conv1 = _first_conv(model.conv1, in_channels, _kaiming_fan_out)
+        if depth == 10:  # not in torchvision: its ResNet class with one BasicBlock per stage (see below)
+            from torchvision.models.resnet import BasicBlock, ResNet
+
+            model = ResNet(BasicBlock, [1, 1, 1, 1])
+        else:
+            model = getattr(torchvision.models, f"resnet{depth}")(weights=None)
+        _resnet_stem(model, in_channels, stem)
         model.fc = nn.Identity()
         return model
 
-    register_backbone(f"resnet{depth}", help=f"torchvision ResNet-{depth}, untrained, ImageNet stem; {width}-d")(make)
+    published = f"ImageNet weights; {width}-d" if weights else f"no published weights; {width}-d"
+    what = "HtFLlib's ResNet-10 (torchvision's ResNet, BasicBlocks [1, 1, 1, 1])" if depth == 10 else \
+        f"torchvision ResNet-{depth}"
+    register_backbone(f"resnet{depth}", help=f"{what} (model.stem imagenet|cifar); {published}",
+                      stem=True, imagenet_weights=weights)(make)
 
 
-for _depth, _width in ((18, 512), (34, 512), (50, 2048), (101, 2048), (152, 2048)):
-    _register_resnet(_depth, _width)
+# ResNet-10 as the FedSA/HtFLlib authors define it: ``resnet10 = ResNet(BasicBlock, [1, 1, 1, 1])``,
+# "10 = 2 + 2 * (1 + 1 + 1 + 1)", in flcore/trainmodel/resnet.py (HtFLlib's file is not stored
+# here; read in TsingZ0/PFLlib and TsingZ0/FedL2G, the same author's, at system/flcore/trainmodel/
+# resnet.py): torchvision's ImageNet stem and stage widths 64-128-256-512, so torchvision's ResNet
+# class with one BasicBlock per stage. Deviation: PFLlib's copy builds its BatchNorms with
+# track_running_stats=False (batch statistics in eval mode too); FedL2G's, and ours, are standard.
+# FedSC's resnet10 (model/resnet_base.py) is the same blocks with the cifar stem.
+for _depth, _width, _weights in ((10, 512, None), (18, 512, "ResNet18_Weights.IMAGENET1K_V1"),
+                                 (34, 512, "ResNet34_Weights.IMAGENET1K_V1"),
+                                 (50, 2048, "ResNet50_Weights.IMAGENET1K_V1"),
+                                 (101, 2048, "ResNet101_Weights.IMAGENET1K_V1"),
+                                 (152, 2048, "ResNet152_Weights.IMAGENET1K_V1")):
+    _register_resnet(_depth, _width, _weights)
 
 
 # --- small models, so that 20 heterogeneous clients train quickly on a 2-core CPU ----------------
@@ -322,18 +391,25 @@ def _mlp(in_channels: int, image_size: int) -> nn.Module:
 
 # --- groups -------------------------------------------------------------------------------------
 
-# FedSA paper, "Model heterogeneity" paragraph: the eight extractors, in the paper's order.
-_HTFE8 = ["cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
-
+# The FedSA authors' model families (lokinko/FedSA system/main.py, ``args.model_family``, lines
+# 47-98 at commit 75bf106), client i getting models[i % len] (HtFLlib's BaseHeadSplit). FedSA
+# Table 2's columns are HtFE2, HtFE3, HtFE5 and HtFE8. The family "FedAvg" there (the CNN alone)
+# is HtFE1 here. mobilenet_v2 there is HtFLlib's own copy of torchvision's MobileNetV2.
+_HTFE = {
+    "HtFE1": ["cnn"],  # their "FedAvg" family (lines 47-50)
+    "HtFE2": ["cnn", "resnet18"],  # lines 66-70
+    "HtFE3": ["resnet10", "resnet18", "resnet34"],  # lines 72-77
+    "HtFE4": ["cnn", "googlenet", "mobilenet_v2", "resnet18"],  # lines 79-85
+    "HtFE5": ["cnn", "resnet10", "resnet18", "resnet34", "resnet50"],  # lines 57-64
+    # lines 87-98; the FedSA paper's "Model heterogeneity" paragraph, in its order
+    "HtFE8": ["cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"],
+}
 # Registry.add falls back to the object's docstring, which for a list is list's own: always give help.
-MODEL_GROUPS.add("HtFE8", _HTFE8, help="FedSA's 8 heterogeneous extractors: " + ", ".join(_HTFE8))
-MODEL_GROUPS.add("HtFE1", ["cnn"], help="homogeneous: the FedAvg CNN for every client")
-# Decision: HtFE2/3/5 are the first 2/3/5 extractors of HtFE8. The FedTGP code's HtFE3 uses a
-# ResNet10 that the issue's architecture list does not contain; prefixes of one list keep the
-# groups nested (each one's models are in the next) and reproducible from this file alone.
-for _n in (2, 3, 5):
-    MODEL_GROUPS.add(f"HtFE{_n}", _HTFE8[:_n], help=f"first {_n} extractors of HtFE8: " + ", ".join(_HTFE8[:_n]))
+for _name, _archs in _HTFE.items():
+    MODEL_GROUPS.add(_name, _archs, help="homogeneous: the FedAvg CNN for every client" if _name == "HtFE1" else
+                     f"FedSA's {_name} (lokinko/FedSA system/main.py): " + ", ".join(_archs))
 MODEL_GROUPS.add("ResNet18", ["resnet18"], help="homogeneous: ResNet-18 for every client (FedSAP's CIFAR setting)")
+MODEL_GROUPS.add("ResNet10", ["resnet10"], help="homogeneous: ResNet-10 for every client (FedSC's CIFAR setting)")
 MODEL_GROUPS.add(
     "small_hetero", ["cnn", "cnn_narrow", "cnn_deep", "mlp"],
     help="4 heterogeneous small models for CPU demos: cnn, cnn_narrow, cnn_deep, mlp",
@@ -344,18 +420,25 @@ MODEL_GROUPS.add(
 
 
 def build_model(arch: str, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
-                projector: str = "pool", normalize: bool = False) -> ProtoModel:
-    """An untrained ``arch`` for ``in_channels`` x ``image_size`` x ``image_size`` images.
+                projector: str = "pool", normalize: bool = False, *, stem: str = "imagenet",
+                weights: str = "none") -> ProtoModel:
+    """``arch`` for ``in_channels`` x ``image_size`` x ``image_size`` images.
 
-    Raises ``UnknownNameError`` (listing the allowed names) for an unregistered ``arch`` and
-    ``ValueError`` for sizes the architecture cannot take.
+    ``stem`` (``model.stem``) applies to the architectures that have one (:func:`takes_stem`, the
+    ResNets) and is ignored by the others; ``weights`` (``model.weights``: none, imagenet or a path)
+    initialises the extractor (:mod:`rayfed_proto.models.weights`). Raises ``UnknownNameError``
+    (listing the allowed names) for an unregistered ``arch``, ``ValueError`` for sizes the
+    architecture cannot take, and ``WeightsUnavailableError`` (a ``ValueError``) for weights that
+    cannot be had.
     """
     builder = ARCHITECTURES.get(arch)
     for key, value in (("in_channels", in_channels), ("image_size", image_size),
                        ("num_classes", num_classes), ("feature_dim", feature_dim)):
         if value < 1:
             raise ValueError(f"{key} must be positive, got {value}")
-    return builder(in_channels, image_size, num_classes, feature_dim, projector, normalize)
+    if stem == "imagenet" and weights == "none":  # the call a plug-in builder without these keywords takes too
+        return builder(in_channels, image_size, num_classes, feature_dim, projector, normalize)
+    return builder(in_channels, image_size, num_classes, feature_dim, projector, normalize, stem=stem, weights=weights)
 
 
 def arch_for_client(group: str, client_id: int) -> str:
@@ -368,20 +451,23 @@ def arch_for_client(group: str, client_id: int) -> str:
 
 def build_client_model(
     group: str, client_id: int, in_channels: int, image_size: int, num_classes: int, feature_dim: int = 512,
-    projector: str = "pool", normalize: bool = False, shared_seed: Optional[int] = None,
+    projector: str = "pool", normalize: bool = False, shared_seed: Optional[int] = None, *, stem: str = "imagenet",
+    weights: str = "none",
 ) -> ProtoModel:
-    """The untrained model of client ``client_id`` in ``group``.
+    """The model of client ``client_id`` in ``group`` (``stem``, ``weights``: as :func:`build_model`).
 
     Initial weights: with ``shared_seed`` (``model.init: shared``) every client of one
     architecture gets the same ones, drawn from ``torch.manual_seed(shared_seed)`` inside
     ``torch.random.fork_rng`` (the caller's torch RNG is left as it was), as HtFLlib seeds torch
     with 0 right before it builds each client's model (system/flcore/clients/clientbase.py,
     ``Client.__init__``); without it (``per_client``) they are drawn from torch's global RNG
-    as it stands, which the caller seeds per client.
+    as it stands, which the caller seeds per client. ``weights`` then overwrites the extractor's.
     """
     arch = arch_for_client(group, client_id)
+    build = functools.partial(build_model, arch, in_channels, image_size, num_classes, feature_dim, projector,
+                              normalize, stem=stem, weights=weights)
     if shared_seed is None:
-        return build_model(arch, in_channels, image_size, num_classes, feature_dim, projector, normalize)
+        return build()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(shared_seed)
-        return build_model(arch, in_channels, image_size, num_classes, feature_dim, projector, normalize)
+        return build()

@@ -116,8 +116,11 @@ def federation_spec(cfg: ExperimentConfig, num_classes: int, in_channels: int, i
     layout = memory_format(cfg, device) if device is not None else torch.contiguous_format
 
     def build_arch(arch: str, feature_dim: int = m.feature_dim) -> torch.nn.Module:
+        # model.weights is for the clients' architectures: a server-only model (FedProtoKD's) starts
+        # from its own initialisation
         return build_model(arch, in_channels, image_size, num_classes, feature_dim, m.projector,
-                           m.normalize_features).to(memory_format=layout)
+                           m.normalize_features, stem=m.stem, weights=m.weights if arch in archs else "none",
+                           ).to(memory_format=layout)
 
     return FederationSpec(
         num_clients=cfg.federation.num_clients, num_classes=num_classes, feature_dim=m.feature_dim,
@@ -153,7 +156,7 @@ class ClientRunner:
         self.model = build_client_model(m.group, split.client_id, dataset.channels, dataset.image_size,
                                         dataset.num_classes, m.feature_dim, m.projector, m.normalize_features,
                                         shared_seed=cfg.seed if m.init == "shared" else None,
-                                        ).to(device, memory_format=memory_format(cfg, device))
+                                        stem=m.stem, weights=m.weights).to(device, memory_format=memory_format(cfg, device))
         self.optimizer = make_optimizer(cfg, self.model)
         algo = ALGORITHMS.get(cfg.algorithm.name)
         spec = federation_spec(cfg, dataset.num_classes, dataset.channels, dataset.image_size, public_x)

@@ -1,4 +1,4 @@
-"""Model zoo: shapes on every dataset geometry, the projection/head contract, groups, names, sizes."""
+"""Model zoo: shapes on every dataset geometry, the projection/head contract, groups, names, sizes, stems."""
 
 from __future__ import annotations
 
@@ -17,6 +17,15 @@ from rayfed_proto.registry import UnknownNameError
 
 HTFE8 = ["cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152"]
 SMALL = ["cnn", "cnn_narrow", "cnn_deep", "mlp"]
+# lokinko/FedSA system/main.py, args.model_family (HtFE1 is their "FedAvg" family)
+FEDSA_GROUPS = {
+    "HtFE1": ["cnn"],
+    "HtFE2": ["cnn", "resnet18"],
+    "HtFE3": ["resnet10", "resnet18", "resnet34"],
+    "HtFE4": ["cnn", "googlenet", "mobilenet_v2", "resnet18"],
+    "HtFE5": ["cnn", "resnet10", "resnet18", "resnet34", "resnet50"],
+    "HtFE8": HTFE8,
+}
 FEATURE_DIM, NUM_CLASSES, BATCH = 64, 7, 2
 
 
@@ -35,7 +44,7 @@ def _check(feats: torch.Tensor, logits: torch.Tensor) -> None:
     assert feats.std() > 0
 
 
-@pytest.mark.parametrize("arch", sorted(set(HTFE8 + SMALL)))
+@pytest.mark.parametrize("arch", sorted(set(HTFE8 + SMALL + ["resnet10"])))
 @pytest.mark.parametrize("channels", [3, 1], ids=["rgb32", "digits32"])
 def test_every_architecture_at_32x32(arch: str, channels: int) -> None:
     _check(*_forward(arch, channels, 32))
@@ -124,17 +133,16 @@ def test_backward_reaches_backbone_projection_and_head(arch: str, projector: str
 
 
 def test_groups_are_the_documented_lists() -> None:
-    assert MODEL_GROUPS.get("HtFE8") == HTFE8
-    assert MODEL_GROUPS.get("HtFE1") == ["cnn"]
+    for group, archs in FEDSA_GROUPS.items():
+        assert MODEL_GROUPS.get(group) == archs, group
     assert MODEL_GROUPS.get("small_hetero") == SMALL
-    for n in (2, 3, 5):
-        assert MODEL_GROUPS.get(f"HtFE{n}") == HTFE8[:n]
+    assert (MODEL_GROUPS.get("ResNet10"), MODEL_GROUPS.get("ResNet18")) == (["resnet10"], ["resnet18"])
     for group in MODEL_GROUPS:
         assert all(arch in ARCHITECTURES for arch in MODEL_GROUPS.get(group)), group
         assert MODEL_GROUPS.describe(group) and "mutable sequence" not in MODEL_GROUPS.describe(group)
 
 
-@pytest.mark.parametrize("group,archs", [("HtFE8", HTFE8), ("small_hetero", SMALL), ("HtFE3", HTFE8[:3])])
+@pytest.mark.parametrize("group,archs", [("HtFE8", HTFE8), ("small_hetero", SMALL), ("HtFE5", FEDSA_GROUPS["HtFE5"])])
 def test_arch_for_client_is_i_mod_len(group: str, archs: list[str]) -> None:
     for i in range(3 * len(archs) + 1):
         assert arch_for_client(group, i) == archs[i % len(archs)]
@@ -149,8 +157,8 @@ def test_build_client_model_uses_the_clients_architecture() -> None:
 def test_unknown_names_list_the_allowed_ones() -> None:
     with pytest.raises(UnknownNameError, match="unknown architecture 'vgg16'; allowed: .*resnet18"):
         build_model("vgg16", 3, 32, 10)
-    with pytest.raises(UnknownNameError, match="unknown model group 'HtFE4'; allowed: .*HtFE8.*small_hetero"):
-        arch_for_client("HtFE4", 0)
+    with pytest.raises(UnknownNameError, match="unknown model group 'HtFE6'; allowed: .*HtFE8.*small_hetero"):
+        arch_for_client("HtFE6", 0)
     with pytest.raises(UnknownNameError, match="allowed: .*small_hetero"):
         build_client_model("nope", 0, 3, 32, 10)
 
@@ -172,6 +180,7 @@ def test_bad_sizes_raise_clear_errors() -> None:
     ("cnn", 873_408),  # FedAvgCNN without its last layer, at 32x32
     ("googlenet", 5_599_904),
     ("mobilenet_v2", 2_223_872),
+    ("resnet10", 4_905_792),  # resnet18 less one BasicBlock per stage: 73,984 + 295,424 + 1,180,672 + 4,720,640
     ("resnet18", 11_176_512),
     ("resnet34", 21_284_672),
     ("resnet50", 23_508_032),
@@ -232,3 +241,57 @@ def test_the_backbone_width_is_measured_once_per_input_shape(monkeypatch):
     finally:
         ARCHITECTURES._items.pop("_width_probe", None)  # the registry has no public removal: tests only
         ARCHITECTURES._help.pop("_width_probe", None)
+
+
+def _after_stem(model: ProtoModel, x: torch.Tensor) -> torch.Tensor:
+    b = model.backbone
+    return b.maxpool(b.relu(b.bn1(b.conv1(x))))
+
+
+@pytest.mark.parametrize("arch", ["resnet10", "resnet18", "resnet50"])
+def test_the_cifar_stem_keeps_32x32_and_the_imagenet_stem_pools_to_8x8(arch: str) -> None:
+    x = torch.randn(2, 3, 32, 32)
+    cifar, imagenet = build_model(arch, 3, 32, 10, stem="cifar").eval(), build_model(arch, 3, 32, 10).eval()
+    with torch.no_grad():
+        assert _after_stem(cifar, x).shape == (2, 64, 32, 32)  # FedSC: conv3x3 stride 1, no max-pool
+        assert _after_stem(imagenet, x).shape == (2, 64, 8, 8)  # torchvision: conv7x7 stride 2 + max-pool
+        # the stages after the stem: 32 -> 32, 16, 8, 4 with the cifar stem (FedSC resnet_base.py's comments)
+        assert cifar.backbone.layer4(cifar.backbone.layer3(cifar.backbone.layer2(cifar.backbone.layer1(
+            _after_stem(cifar, x))))).shape[-2:] == (4, 4)
+    conv = cifar.backbone.conv1
+    assert (conv.kernel_size, conv.stride, conv.padding, conv.bias) == ((3, 3), (1, 1), (1, 1), None)
+    assert isinstance(cifar.backbone.maxpool, torch.nn.Identity)
+    assert cifar.backbone_dim == imagenet.backbone_dim
+    # one conv smaller than the 7x7, nothing else: the stem is the only change
+    assert sum(p.numel() for p in imagenet.parameters()) - sum(p.numel() for p in cifar.parameters()) == 64 * 3 * (49 - 9)
+
+
+def test_the_cifar_stem_takes_the_datasets_channels_and_trains() -> None:
+    torch.manual_seed(0)
+    model = build_model("resnet10", 1, 16, NUM_CLASSES, FEATURE_DIM, stem="cifar")
+    assert model.backbone.conv1.in_channels == 1
+    feats, logits = model.forward_features(torch.randn(4, 1, 16, 16))
+    _check(feats[:BATCH], logits[:BATCH])
+    torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2, 3])).backward()
+    assert model.backbone.conv1.weight.grad.abs().sum() > 0
+
+
+def test_stem_applies_to_the_resnets_only_and_is_validated() -> None:
+    from rayfed_proto.models import STEMS, takes_stem
+
+    assert STEMS == ("imagenet", "cifar")
+    assert [a for a in ARCHITECTURES.names() if takes_stem(a)] == [
+        "resnet10", "resnet101", "resnet152", "resnet18", "resnet34", "resnet50"]
+    torch.manual_seed(0)
+    plain = build_model("cnn", 3, 32, 10)
+    torch.manual_seed(0)
+    ignored = build_model("cnn", 3, 32, 10, stem="cifar")  # no stem: the same network, the same init
+    for a, b in zip(plain.state_dict().values(), ignored.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="model.stem must be one of 'imagenet', 'cifar', got 'tiny'"):
+        build_model("resnet18", 3, 32, 10, stem="tiny")
+
+
+def test_build_client_model_passes_the_stem() -> None:
+    model = build_client_model("HtFE3", 0, 3, 32, 10, stem="cifar")
+    assert model.arch == "resnet10" and model.backbone.conv1.kernel_size == (3, 3)
