@@ -441,7 +441,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiments", nargs="+", metavar="EXPERIMENT", help="MLflow experiment name(s) whose runs are compared")
     p.add_argument("--tracking-uri", help="MLflow store: sqlite:///path.db, a folder, or http(s)://server "
                                           "(default: $MLFLOW_TRACKING_URI, else ./mlflow.db, as for run)")
-    p.add_argument("--metric", default="eval/head_acc", help="the metric compared (default: eval/head_acc)")
+    p.add_argument("--metric", default="eval/head_acc",
+                   help="the metric compared (default: eval/head_acc), or 'paper': each method's paper metric "
+                        "(eval/proto_acc best for FedSA, FedTGP, FedProto; eval/global_acc for FedSC, FedProtoKD...; "
+                        "rayfed_proto/tracking/paper_metric.py)")
     p.add_argument("--mode", choices=("max", "min"), default="max", help="best = the highest (max) or lowest (min) value")
     p.add_argument("--out", metavar="DIR", help="folder for the CSV, Markdown and PNG files (default: ./compare-<time>)")
     p.add_argument("--experiment-name", default="rayfed_proto_compare",

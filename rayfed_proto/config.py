@@ -363,6 +363,15 @@ class ReliabilityConfig(_Section):
                                   "(not counting checkpoint drains; 0: never)")
 
 
+class EvaluationConfig(_Section):
+    """How a client's evaluation scores (the papers' protocols as options; docs/configuration.md)."""
+
+    proto_candidates: Literal["all", "own_classes"] = Field(
+        "all", description="nearest-prototype accuracy (eval/proto_acc): every class of the bank competes (all), or "
+        "only the classes of the client's training data (own_classes: FedProto's test, yuetan031/FedProto "
+        "lib/update.py test_inference_new_het_lt)")
+
+
 class FaultsConfig(_Section):
     """Fault injection for tests and chaos drills; empty by default."""
 
@@ -512,6 +521,7 @@ class ExperimentConfig(_Section):
     checkpoint: CheckpointConfig = CheckpointConfig()
     reliability: ReliabilityConfig = ReliabilityConfig()
     faults: FaultsConfig = FaultsConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
     system: Optional[SystemConfig] = Field(
         None, description="simulated client systems and the virtual clock; None: wall-clock mode")
 
@@ -842,6 +852,21 @@ def _federation_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     return issues
 
 
+def _round_scope_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """``aggregation_scope: latest`` in a federation of rounds that samples part of the clients:
+    the uploads of clients not sampled this round (stale) would enter the round, which no paper
+    does (their S_t is the round's sampled clients); refused (docs/configuration.md)."""
+    fed = cfg.federation
+    rounds = fed.mode in POLICIES and POLICIES.get(fed.mode).rounds
+    scope = getattr(cfg.algorithm_options(), "aggregation_scope", None)
+    if not (rounds and scope == "latest" and fed.participation < 1):
+        return []
+    return [ConfigIssue(key="algorithm.aggregation_scope", value=scope, allowed=(
+        f"buffer (this round's uploads, the default when the federation runs in rounds) with federation.mode "
+        f"{fed.mode} and participation {fed.participation} < 1: latest would aggregate the last uploads of clients "
+        "not sampled this round; latest is for async mode or full participation"))]
+
+
 def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     """Rules that span fields or need the registries (plus the checks registered per section)."""
     from rayfed_proto.algorithms import ALGORITHMS
@@ -860,6 +885,7 @@ def semantic_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     if algo_cls is not None and not option_issues:  # the algorithm's own cross-field rules
         for key, value, allowed in cfg.algorithm_options().run_issues(cfg.federation.rounds):
             issues.append(ConfigIssue(key=f"algorithm.{key}", value=value, allowed=allowed))
+        issues.extend(_round_scope_issues(cfg))
     issues.extend(_registered_issues("data", cfg))  # data.name, data.partition.name
     group_ok = check_name("model.group", cfg.model.group, MODEL_GROUPS)
     if group_ok:

@@ -483,8 +483,17 @@ class Algorithm:
         ``async_config_defaults`` when the federation has no rounds (``rounds`` False: the policy's
         ``rounds``, e.g. async mode). ``options`` are the ``algorithm.*`` keys as the user wrote them
         (not validated yet): a method whose run-level defaults depend on one of its options (FedSC's
-        ``variant``) overrides this. A value may be a :class:`SameAs`; a value the user sets always wins."""
-        return {**cls.config_defaults, **(cls.async_config_defaults if not rounds else {})}
+        ``variant``) overrides this. A value may be a :class:`SameAs`; a value the user sets always wins.
+
+        In a federation of rounds, a method with an ``aggregation_scope`` option aggregates the
+        round's uploads (``buffer``): the papers' S_t, the clients sampled this round. ``latest``
+        there would mix in the last uploads of clients not sampled (config refuses it with
+        participation < 1); a method's ``latest`` default is its async-mode default."""
+        defaults = {**cls.config_defaults, **(cls.async_config_defaults if not rounds else {})}
+        # prototype_scope: FedSC's former name of the key; a user who set it chose the scope
+        if rounds and "aggregation_scope" in cls.Options.model_fields and "prototype_scope" not in options:
+            defaults.setdefault("algorithm.aggregation_scope", "buffer")
+        return defaults
 
 
 # ----------------------------------------------------------------------------- prototype methods

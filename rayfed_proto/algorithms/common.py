@@ -137,13 +137,31 @@ def prototype_margin(vectors: np.ndarray) -> tuple[float, float]:
     return float(nearest.min()), float(nearest.mean())
 
 
-def nearest_prototype_predict(features: torch.Tensor, bank: Optional[PrototypeSet]) -> Optional[torch.Tensor]:
-    """Class of the nearest bank vector for each feature (prototype inference mode)."""
+NO_CLASS = -1
+"""The prediction of a sample none of whose candidate classes has a bank vector (never correct)."""
+
+
+def nearest_prototype_predict(features: torch.Tensor, bank: Optional[PrototypeSet],
+                              candidates: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Class of the nearest bank vector for each feature (prototype inference mode).
+
+    ``candidates`` (``evaluation.proto_candidates: own_classes``): only the bank vectors of these
+    class ids compete, as FedProto's test does (yuetan031/FedProto ``lib/update.py``,
+    ``test_inference_new_het_lt``: a class enters the distance matrix when ``j in
+    global_protos.keys() and j in classes_list[idx]``, the client's own classes). When no
+    candidate has a vector every sample is predicted :data:`NO_CLASS` (the reference fills the
+    matrix with 100 and would answer class 0). None: every bank vector competes.
+    """
     if bank is None or len(bank) == 0:
         return None
     # torch.tensor copies: arrays from Ray's object store are read-only views
     vecs = torch.tensor(bank.vectors, dtype=features.dtype, device=features.device)
     ids = torch.tensor(bank.class_ids, device=features.device)
+    if candidates is not None:
+        keep = torch.isin(ids, candidates.to(ids.device))
+        if not bool(keep.any()):
+            return torch.full((len(features),), NO_CLASS, dtype=ids.dtype, device=features.device)
+        vecs, ids = vecs[keep], ids[keep]
     return ids[safe_cdist(features, vecs).argmin(1)]
 
 

@@ -1,7 +1,8 @@
 """FedProto (Tan et al. AAAI 2022), as restated in FedSA Eq. 2-4.
 
 Client: CE(h(f(x)), y) + lambda * ||f(x) - P^y||^2 over samples whose class has a global
-prototype (FedSA Eq. 4). Server: per-class plain mean of the uploaded prototypes over the clients
+prototype (FedSA Eq. 4); lambda 10 by default, as the FedSA and FedTGP experiments run FedProto
+as a baseline (lokinko/FedSA ``system/total.sh``, TsingZ0/HtFLlib ``system/examples.sh``). Server: per-class plain mean of the uploaded prototypes over the clients
 holding the class (``aggregation: uniform``, default), as the reference server does
 (``TsingZ0/HtFLlib``, ``system/flcore/servers/serverproto.py``, ``proto_aggregation``, from
 ``yuetan031/fedproto`` ``lib/utils.py``); ``weighted`` is the sample-weighted mean (FedSA Eq. 3).
@@ -20,7 +21,10 @@ from rayfed_proto.algorithms.common import alignment_loss, bank_tensors
 
 
 class FedProtoOptions(PrototypeOptions):
-    lam: float = Field(1.0, ge=0, description="alignment weight lambda (FedTGP's scripts use 10)")
+    # lambda 10: how the FedSA and FedTGP tables ran FedProto (lokinko/FedSA system/total.sh and
+    # TsingZ0/HtFLlib system/examples.sh: -algo FedProto -lam 10), so a baseline run is theirs
+    lam: float = Field(10.0, ge=0, description="alignment weight lambda (default 10: the FedSA / FedTGP scripts, "
+                       "HtFLlib's -lam 10)")
     aggregation: Literal["weighted", "uniform"] = Field(
         "uniform", description="per-class mean of uploads: plain mean over clients (FedProto reference server, "
         "default) or sample-weighted (FedSA Eq. 3)")

@@ -1,6 +1,14 @@
 """FedProtoKD (Siddika et al.): dual distillation through a public set, with trainable global
 prototypes under class-wise adaptive margins (papers/fedprotokd.md).
 
+Features (Eq. 3): z_k(x) = vec(h_phi_k(F_k(x))), a learnable projection h_phi_k trained with the
+client's model maps each architecture's feature map to the shared dimension d. The method's
+default is ``model.projector: linear`` (``config_defaults``; a user's value wins): one learnable
+``nn.Linear(backbone_dim, d)`` on the extractor's pooled output. The paper projects the map
+before flattening; the zoo's extractors end in a global pool, and at the paper's 32x32 inputs the
+ImageNet-stem ResNets' last map is 1x1 already, where a 1x1 projection then flattening is this
+Linear. HtFLlib's parameter-free ``pool`` (the other methods' reference) is not the paper's.
+
 Public data: an unlabelled proxy set D_p (``spec.public_x``, ``data.public_size`` samples held
 out before partitioning, 2,500 by default), identical on every client and on the server.
 
@@ -35,8 +43,10 @@ client seen so far (logits and prototypes, with the version each was trained aga
 ``common.LatestUploads``: an older upload arriving late never replaces a newer one) and
 aggregates all of them each version, each weighted by (1 + t - tau_k)^(-a), t the server's
 current version; so a public sample's target mixes however many clients have reported, the
-staler ones counting less. ``aggregation_scope: buffer`` uses only the buffered updates (the
-paper's S_t under partial participation). Full synchronous participation: both are the paper.
+staler ones counting less (``aggregation_scope: latest``, the default in async mode).
+``aggregation_scope: buffer`` uses only the buffered updates: the paper's S_t, and the default
+whenever the federation runs in rounds (``Algorithm.defaults_for``); config refuses ``latest`` in
+rounds with participation < 1, where it would mix in the uploads of clients not sampled.
 
 Ablations (Table XI): ``uniform_margin: true`` is FedProtoKD-zeta (one FedTGP margin
 min(max_c gap_c, zeta) for every class); ``sample_importance: false`` sets I_i = 1.
@@ -106,7 +116,8 @@ class FedProtoKDOptions(Options):
     logit_weighting: Literal["logit_variance", "probability_variance"] = Field(
         "logit_variance", description="Eq. 7 weight: variance of the client's logits (the paper) or of its softmax")
     aggregation_scope: Literal["latest", "buffer"] = Field(
-        "latest", description="every client's latest logits and prototypes (staleness-weighted) or the buffer only")
+        "latest", description="every client's latest logits and prototypes (staleness-weighted; the default in async "
+        "mode) or the buffer only (this round's uploads, the paper's S_t; the default in sync mode)")
     generator_epochs: int = Field(100, ge=0, description="ACTP generator epochs per version (paper ep_tsp = 100)")
     generator_lr: float = Field(0.01, gt=0, description="generator SGD learning rate")
     generator_batch_size: int = Field(10, ge=1, description="generator mini-batch of (prototype, class) pairs")
@@ -599,4 +610,5 @@ class FedProtoKD(Algorithm):
     Options = FedProtoKDOptions
     Client = FedProtoKDClient
     Server = FedProtoKDServer
-    config_defaults = {"data.public_size": 2500, "data.global_test_fraction": 0.2}
+    # model.projector linear: the learnable projection h_phi_k of Eq. 3 (see the module docstring)
+    config_defaults = {"data.public_size": 2500, "data.global_test_fraction": 0.2, "model.projector": "linear"}

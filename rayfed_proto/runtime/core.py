@@ -242,6 +242,7 @@ class ClientRunner:
         self.algorithm.receive(state, self.model)
         self.model.eval()
         bank = self.algorithm.inference_bank()
+        candidates = self.train_y.unique() if self.cfg.evaluation.proto_candidates == "own_classes" else None
         head = proto = 0
         all_feats = []
         for i in range(0, len(self.test_y), batch_size):
@@ -250,7 +251,7 @@ class ClientRunner:
             feats, logits = self.model.forward_features(x)
             all_feats.append(feats.float().cpu())
             head += int((logits.argmax(1) == y).sum())
-            pred = nearest_prototype_predict(feats, bank)
+            pred = nearest_prototype_predict(feats, bank, candidates)
             if pred is not None:
                 proto += int((pred == y).sum())
         self.model.train()

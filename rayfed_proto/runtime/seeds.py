@@ -9,7 +9,9 @@ A seed group lives in one folder, ``<tracking.output_dir>/<time>-<algorithm>-<da
 * ``seed-<s>/<time>-<algorithm>-<dataset>/``: the seed's run folder, as a plain run's
   (``run --resume`` works on it alone too);
 * ``summary.txt`` and ``seeds.csv``: per seed the final and best ``eval/head_acc`` (and
-  ``eval/proto_acc`` when the method has one), then their mean and standard deviation;
+  ``eval/proto_acc``, ``eval/global_acc`` when the method logs them, and the keys of its paper
+  metric, ``tracking.paper_metric``), then their mean and standard deviation, and a line naming
+  the method's paper metric with its mean ± std (the parent's tag ``rayfed_proto.paper_metric``);
 * ``.lock``: held by the driver running the group (a second one is refused).
 
 ``rayfed-proto run --resume GROUP`` continues the group: a finished seed is skipped, an
@@ -56,7 +58,9 @@ STATE_FILE = "seeds.json"
 KIND = "rayfed_proto.seeds"
 SEEDS_TAG = "rayfed_proto.seeds"  # the parent run's seeds, "0,1,2"
 GROUP_TAG = "rayfed_proto.seed_group"  # the parent run's group folder
-SUMMARY_METRICS = ("eval/head_acc", "eval/proto_acc")  # final and best of each, when a seed's history has it
+# final and best of each, when a seed's history has it (plus the keys of the method's paper metric)
+SUMMARY_METRICS = ("eval/head_acc", "eval/proto_acc", "eval/global_acc")
+PAPER_METRIC_TAG = "rayfed_proto.paper_metric"  # the parent's tag: the per_seed column of the paper metric
 STD_NOTE = ("std: population standard deviation over the finished seeds (numpy's std, as rayfed-proto compare and "
             "the bench tables use); none for a single seed")
 
@@ -397,19 +401,41 @@ def _stopped(group: SeedGroup, seed: int, what: str, signal_name: str, version: 
 
 
 def _final_and_best(history, key: str) -> tuple[float, float]:
-    import numpy as np
+    """(final, best) of ``key`` in a seed's history (tracking.paper_metric.final_and_best: the one home)."""
+    from rayfed_proto.tracking.paper_metric import final_and_best
 
-    if key not in history:
+    if history is None or key not in history:
         return math.nan, math.nan
-    values = history[key].to_numpy(dtype=float)
-    ok = values[np.isfinite(values)]
-    return (float(ok[-1]), float(ok.max())) if ok.size else (math.nan, math.nan)
+    return final_and_best(history[key].to_numpy(dtype=float))
 
 
-def _summarise(group: SeedGroup) -> None:
-    """``per_seed``, ``stats`` and the text table, from each finished seed's history.parquet."""
+def _group_algorithm(group: SeedGroup) -> Optional[str]:
+    """The group's ``algorithm.name``, from its shared config.yaml (None when unreadable)."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((Path(group.output_dir) / "config.yaml").read_text(encoding="utf-8")) or {}
+        name = (raw.get("algorithm") or {}).get("name")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def summary_metrics(algorithm: Optional[str]) -> tuple[str, ...]:
+    """The metrics a group's table reports (each when a seed logged it): :data:`SUMMARY_METRICS` and
+    the keys of the method's paper metric (``tracking.paper_metric``)."""
+    from rayfed_proto.tracking.paper_metric import paper_metric
+
+    extra = paper_metric(algorithm).keys if algorithm else ()
+    return tuple(dict.fromkeys((*SUMMARY_METRICS, *extra)))
+
+
+def _summarise(group: SeedGroup, metrics: Optional[Sequence[str]] = None) -> None:
+    """``per_seed``, ``stats`` and the text table, from each finished seed's history.parquet:
+    the final and best of each of ``metrics`` (default :func:`summary_metrics`) a seed logged."""
     import pandas as pd
 
+    metrics = tuple(metrics) if metrics is not None else summary_metrics(_group_algorithm(group))
     rows = []
     present: list[str] = []
     for seed in group.seeds:
@@ -419,15 +445,15 @@ def _summarise(group: SeedGroup) -> None:
         history = None
         if rec.status == "finished" and rec.output_dir and (Path(rec.output_dir) / "history.parquet").is_file():
             history = pd.read_parquet(Path(rec.output_dir) / "history.parquet")
-        for key in SUMMARY_METRICS:
-            final, best = _final_and_best(history, key) if history is not None else (math.nan, math.nan)
+        for key in metrics:
+            final, best = _final_and_best(history, key)
             row[f"{key}_final"], row[f"{key}_best"] = final, best
             if math.isfinite(final) and key not in present:
                 present.append(key)
         rows.append(row)
-    columns = [f"{k}_{w}" for k in SUMMARY_METRICS if k in present for w in ("final", "best")]
+    columns = [f"{k}_{w}" for k in metrics if k in present for w in ("final", "best")]
     per_seed = pd.DataFrame(rows, columns=["seed", "status", "final_version", "run_id", "output_dir",
-                                           *[f"{k}_{w}" for k in SUMMARY_METRICS for w in ("final", "best")]])
+                                           *[f"{k}_{w}" for k in metrics for w in ("final", "best")]])
     per_seed = per_seed[["seed", "status", "final_version", "run_id", "output_dir", *columns]].set_index("seed")
     per_seed["final_version"] = per_seed["final_version"].astype("Int64")  # a whole number, or missing
     finished = per_seed[per_seed["status"] == "finished"][columns].astype(float)
@@ -436,6 +462,15 @@ def _summarise(group: SeedGroup) -> None:
     stats["n"] = len(finished)
     group.per_seed, group.stats = per_seed, stats
     group.summary = format_seed_table(group)
+
+
+def summarise(group: SeedGroup, metrics: Sequence[str]) -> SeedGroup:
+    """The group's table again with the chosen ``metrics`` (``eval/global_acc``, ...; each a final
+    and a best column where a seed logged it): ``per_seed``, ``stats`` and ``summary`` replaced."""
+    from rayfed_proto.tracking.metric_names import resolve
+
+    _summarise(group, [resolve(m) for m in metrics])
+    return group
 
 
 def _pct(x: Any) -> str:
@@ -463,10 +498,40 @@ def format_seed_table(group: SeedGroup) -> str:
 
     title = f"Seeds summary: {group.name} ({n} of {len(group.seeds)} seed{'s' if len(group.seeds) != 1 else ''} finished)"
     lines = [title, rule, line(head), rule, *map(line, body), rule, *map(line, foot), rule, STD_NOTE]
+    paper = paper_metric_line(group)
+    if paper:
+        lines.append(paper)
     if group.parent_run_id:
         lines.append(f"MLflow parent run: {group.parent_run_id} @ {group.tracking_uri}")
     lines.append(f"group folder: {group.output_dir}")
     return "\n".join(lines)
+
+
+def paper_metric_column(group: SeedGroup) -> Optional[tuple[str, Any]]:
+    """(column of ``per_seed``/``stats``, PaperMetric) of the method's paper metric, when the group's
+    seeds logged one of its keys; None otherwise."""
+    from rayfed_proto.tracking.paper_metric import paper_metric
+
+    algorithm = _group_algorithm(group)
+    if algorithm is None or group.per_seed is None:
+        return None
+    pm = paper_metric(algorithm)
+    logged = [c.rsplit("_", 1)[0] for c in group.per_seed.columns if c.startswith("eval/")]
+    key = pm.key_in(logged)
+    return (f"{key}_{pm.stat}", pm) if key is not None else None
+
+
+def paper_metric_line(group: SeedGroup) -> str:
+    """``paper metric: eval/proto_acc (best) = 81.20% ± 0.40% over 3 seeds (source)``, or ""."""
+    found = paper_metric_column(group)
+    if found is None:
+        return ""
+    column, pm = found
+    n = int(group.stats["n"].iloc[0]) if len(group.stats) else 0
+    mean, std = group.stats.loc["mean", column], group.stats.loc["std", column]
+    spread = f" ± {_pct(std)}" if n > 1 else ""
+    return (f"paper metric: {pm.label(column.rsplit('_', 1)[0])} = {_pct(mean)}{spread} over {n} seed"
+            f"{'s' if n != 1 else ''} ({pm.source})")
 
 
 # ------------------------------------------------------------------------------ the parent run
@@ -538,13 +603,15 @@ def _log_summary(group: SeedGroup) -> None:
         client = _client(group)
         now = int(time.time() * 1000)
         metrics = [Metric(SEEDS_FINISHED, float(group.stats["n"].iloc[0]), now, 0)]
+        tags = [RunTag("mlflow.note.content", f"```\n{group.summary}\n```")]
+        if (paper := paper_metric_column(group)) is not None:  # which seeds/<column>_mean is the paper's figure
+            tags.append(RunTag(PAPER_METRIC_TAG, paper[0]))
         for column in group.stats.columns.drop("n"):
             for stat in ("mean", "std"):
                 value = float(group.stats.loc[stat, column])
                 if math.isfinite(value):  # no std of a single seed
                     metrics.append(Metric(seeds_metric(column, stat), value, now, 0))
-        client.log_batch(group.parent_run_id, metrics=metrics,
-                         tags=[RunTag("mlflow.note.content", f"```\n{group.summary}\n```")])
+        client.log_batch(group.parent_run_id, metrics=metrics, tags=tags)
         client.log_artifact(group.parent_run_id, str(group.output_dir / "summary.txt"))
         client.log_artifact(group.parent_run_id, str(group.output_dir / "seeds.csv"))
         _log_curves(group, client)

@@ -25,7 +25,12 @@ Rules (docs/quickstart.md, "Comparing methods over seeds"):
   reliability limits, fault injection, the evaluation interval, the resource plan, and values
   derived from the dataset.
 * **Statistics**: mean and population standard deviation (numpy's ``std``, as in the bench/
-  tables) over the seeds of a group; no std for a single seed.
+  tables) over the seeds of a group; no std for a single seed. Final and best of a run are
+  ``tracking.paper_metric.final_and_best``'s.
+* **The paper metric** (``--metric paper``): each run is read at its method's paper metric
+  (``tracking.paper_metric.paper_metric``: ``eval/proto_acc`` for FedSA, FedTGP and FedProto,
+  ``eval/global_acc`` for FedSC and FedProtoKD, ...), and the table adds per group the metric
+  used and the paper's statistic of it (best or final) as the "paper figure".
 
 Nothing here imports Ray; MLflow and matplotlib are imported where they are used.
 """
@@ -46,8 +51,10 @@ import numpy as np
 
 from rayfed_proto.config import InputError
 from rayfed_proto.tracking import metric_names as names
+from rayfed_proto.tracking.paper_metric import PaperMetric, final_and_best, paper_metric
 
 DEFAULT_METRIC = names.EVAL_HEAD_ACC
+PAPER = "paper"  # --metric paper: each method's paper metric (tracking.paper_metric)
 DEFAULT_EXPERIMENT_NAME = "rayfed_proto_compare"
 COMPARE_TAG = "rayfed_proto.compare"  # marks a comparison run (never compared itself)
 PARENT_TAG = "mlflow.parentRunId"
@@ -68,13 +75,14 @@ def is_operational(key: str) -> bool:
 
 
 def extra_metrics_for(metric: str) -> tuple[str, ...]:
-    """Metrics reported next to ``metric``: the prototype accuracy beside the head accuracy."""
-    return (names.EVAL_PROTO_ACC,) if metric == names.EVAL_HEAD_ACC else ()
+    """Metrics reported next to ``metric``: the prototype accuracy and the global model's accuracy
+    on the global test set beside the head accuracy (each where a run logged it)."""
+    return (names.EVAL_PROTO_ACC, names.EVAL_GLOBAL_ACC) if metric == names.EVAL_HEAD_ACC else ()
 
 
 def is_accuracy(metric: str) -> bool:
-    """Accuracies are fractions, shown in %."""
-    return "acc" in metric.rsplit("/", 1)[-1]
+    """Accuracies are fractions, shown in %; every paper metric is an accuracy."""
+    return metric == PAPER or "acc" in metric.rsplit("/", 1)[-1]
 
 
 # ------------------------------------------------------------------------------ data
@@ -90,10 +98,10 @@ class Series:
 
     @property
     def final(self) -> float:
-        return float(self.values[-1])
+        return final_and_best(self.values)[0]
 
     def best(self, mode: str) -> float:
-        return float(self.values.max() if mode == "max" else self.values.min())
+        return final_and_best(self.values, mode)[1]
 
 
 @dataclass
@@ -106,6 +114,7 @@ class RunSeries:
     metric: Series
     extras: dict[str, Series] = field(default_factory=dict)
     sim_time: Optional[Series] = None
+    metric_key: str = ""  # the key ``metric`` was read from (with --metric paper: the method's paper metric)
 
     @property
     def seed(self) -> Optional[str]:
@@ -165,6 +174,18 @@ class Group:
     def best(self, mode: str, metric: Optional[str] = None) -> Stat:
         return Stat.of(s.best(mode) for s in self._series(metric))
 
+    @property
+    def paper(self) -> PaperMetric:
+        return paper_metric(self.algorithm)
+
+    def paper_key(self) -> str:
+        """The metric its runs were read at (--metric paper: the first paper-metric key they logged)."""
+        return next((r.metric_key for r in self.runs if r.metric_key), self.paper.key)
+
+    def paper_figure(self, mode: str = "max") -> Stat:
+        """The paper's statistic (final or best) of the compared metric over the group's seeds."""
+        return self.final() if self.paper.stat == "final" else self.best(mode)
+
     def last_versions(self) -> str:
         last = sorted({int(r.metric.steps[-1]) for r in self.runs})
         return str(last[0]) if len(last) == 1 else f"{last[0]}-{last[-1]}"
@@ -207,6 +228,10 @@ class Comparison:
             row: dict[str, Any] = {"group": g.label, ALGORITHM_KEY: g.algorithm}
             row.update({k: g.keys.get(k, _ABSENT) for k in self.group_keys})
             row.update({"n_seeds": len(g.runs), "seeds": " ".join(g.seeds), "last_version": g.last_versions()})
+            if self.metric == PAPER:
+                figure = g.paper_figure(self.mode)
+                row.update({"paper metric": g.paper.label(g.paper_key()), "paper figure mean": figure.mean,
+                            "paper figure std": figure.std, "paper metric source": g.paper.source})
             for metric in (None, *self.extras):
                 name = metric or self.metric
                 final, best = g.final(metric), g.best(self.mode, metric)
@@ -220,7 +245,7 @@ class Comparison:
 
     def markdown(self) -> str:
         pct = " (%)"
-        head = ["group", "n seeds"]
+        head = ["group", "n seeds"] + (["paper metric", "paper figure (%)"] if self.metric == PAPER else [])
         for m in (self.metric, *self.extras):
             unit = pct if is_accuracy(m) else ""
             head += [f"final {m}{unit}", f"best {m}{unit}"]
@@ -235,6 +260,8 @@ class Comparison:
         ]
         for g in self.groups:
             cells = [g.label, f"{len(g.runs)} ({', '.join(g.seeds)})" if g.runs else "0"]
+            if self.metric == PAPER:
+                cells += [g.paper.label(g.paper_key()), format_stat(g.paper_figure(self.mode), True)]
             for metric in (None, *self.extras):
                 name = metric or self.metric
                 final, best = g.final(metric), g.best(self.mode, metric)
@@ -245,6 +272,10 @@ class Comparison:
         if self.left_out:
             lines += ["", f"Left out ({len(self.left_out)} run{'s' if len(self.left_out) != 1 else ''}):", ""]
             lines += [f"- {lo.line()}" for lo in self.left_out]
+        if self.metric == PAPER:
+            lines += ["", "Paper metrics (tracking/paper_metric.py):", ""]
+            lines += [f"- {a}: {pm.label()}: {pm.source}" for a, pm in
+                      {g.algorithm: g.paper for g in self.groups}.items()]
         if self.notes:
             lines += ["", "Notes:", ""] + [f"- {n}" for n in self.notes]
         return "\n".join(lines)
@@ -381,7 +412,7 @@ def load_runs(client, experiments: dict[str, str], metric: str) -> tuple[list[Ru
         left.append(LeftOut(r.info.run_id, exp_name[r.info.experiment_id], r.info.run_name or "", r.info.status, reason))
 
     for r in runs:
-        tags, key = r.data.tags, _logged_key(r, metric)
+        tags, key = r.data.tags, _run_metric_key(r, metric)
         if COMPARE_TAG in tags:
             leave(r, "a comparison run (rayfed-proto compare)")
             continue
@@ -395,7 +426,9 @@ def load_runs(client, experiments: dict[str, str], metric: str) -> tuple[list[Ru
             continue
         if key is None:
             sweep = " (a sweep's parent run)" if "rayfed_proto.sweep" in tags else ""
-            leave(r, f"no {metric} metric{sweep}")
+            what = ("paper metric (" + ", ".join(paper_metric(r.data.params.get(ALGORITHM_KEY, "")).keys) + ")"
+                    if metric == PAPER else f"{metric} metric")
+            leave(r, f"no {what}{sweep}")
             continue
         if ALGORITHM_KEY not in r.data.params:
             leave(r, f"no {ALGORITHM_KEY} param (not a rayfed-proto run)")
@@ -416,8 +449,20 @@ def load_runs(client, experiments: dict[str, str], metric: str) -> tuple[list[Ru
                          f"{'s' if series.superseded > 1 else ''} of {metric} (tag superseded_steps="
                          f"{tags.get('superseded_steps', '?')}); the later value of each step is used")
         kept.append(RunSeries(r.info.run_id, exp_name[r.info.experiment_id], r.info.run_name or "",
-                              int(r.info.start_time or 0), dict(r.data.params), series, extras, sim))
+                              int(r.info.start_time or 0), dict(r.data.params), series, extras, sim,
+                              names.resolve(key, warn=False)))
     return kept, left, notes
+
+
+def _run_metric_key(run, metric: str) -> Optional[str]:
+    """The logged key of ``metric`` in ``run``; for :data:`PAPER`, of the first key of its method's
+    paper metric that the run logged (None: none)."""
+    if metric != PAPER:
+        return _logged_key(run, metric)
+    algorithm = run.data.params.get(ALGORITHM_KEY)
+    if algorithm is None:
+        return None
+    return next((k for m in paper_metric(algorithm).keys if (k := _logged_key(run, m)) is not None), None)
 
 
 # ------------------------------------------------------------------------------ grouping
@@ -480,7 +525,7 @@ def compare(experiments: Sequence[str], tracking_uri: Optional[str] = None, metr
     experiment, a bad mode, or experiments with nothing to compare (the reasons listed)."""
     if mode not in ("max", "min"):
         raise InputError(f"mode {mode!r}: allowed max (best = highest value) or min (best = lowest)")
-    metric = names.resolve(metric)
+    metric = metric if metric == PAPER else names.resolve(metric)
     client, uri = _client(tracking_uri)
     found = _experiments(client, experiments, uri)
     runs, left, notes = load_runs(client, found, metric)
@@ -613,9 +658,10 @@ def plot_comparison(comp: Comparison, path: str | Path, x: str = "version") -> P
         ax.set_xlabel("server version (aggregations)")
     else:
         ax.set_xlabel("simulated time (s, virtual clock)")
-    ax.set_ylabel(f"{comp.metric}" + (" (%)" if percent else ""))
+    shown = "paper metric (each method's own, see the table)" if comp.metric == PAPER else comp.metric
+    ax.set_ylabel(shown + (" (%)" if percent else ""))
     against = "server version" if x == "version" else "simulated time"
-    ax.set_title(f"{comp.metric} vs {against}: mean ± std over seeds")
+    ax.set_title(f"{shown} vs {against}: mean ± std over seeds")
     if absent and has_data:
         ax.text(0.99, 0.02, "no simulated time: " + ", ".join(absent), transform=ax.transAxes, ha="right", va="bottom",
                 fontsize=8, color="0.4")

@@ -184,3 +184,29 @@ def test_channels_last_changes_the_layout_not_the_model():
     # a received global model (C-ordered arrays) keeps the client's layout
     nhwc.train(GlobalState(version=1, weights=ub.weights))
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_own_class_candidates_reach_the_clients_prototype_accuracy(setup):
+    """evaluation.proto_candidates: own_classes scores against the bank vectors of the classes in the
+    client's training split only (the count is the runner's, the candidates its training labels'
+    classes; hand-computed predictions are in test_eval_protocol.py)."""
+    from rayfed_proto.algorithms.common import nearest_prototype_predict
+    from rayfed_proto.messages import PrototypeSet
+
+    cfg, ds, part = setup
+    results, expected = {}, {}
+    for mode in ("all", "own_classes"):
+        c = cfg.model_copy(update={"evaluation": cfg.evaluation.model_copy(update={"proto_candidates": mode})})
+        runner = ClientRunner(c, part.clients[1], ds, torch.device("cpu"))
+        runner.train_y = runner.train_y[runner.train_y < 5]  # a client whose training split holds classes 0-4 only
+        own = runner.train_y.unique().numpy()
+        runner.model.eval()
+        with torch.no_grad():
+            feats = runner.model.features(runner.test_x)
+        vectors = [feats[runner.test_y == k].mean(0) if (runner.test_y == k).any() else torch.zeros(feats.shape[1])
+                   for k in own] + [feats.mean(0)]  # class 9, foreign, at the centre of every test feature
+        bank = PrototypeSet(np.append(own, 9), torch.stack(vectors).numpy().astype(np.float32), np.ones(len(own) + 1))
+        results[mode] = runner.evaluate(GlobalState(version=1, prototypes=bank))["proto_correct"]
+        cand = torch.as_tensor(own) if mode == "own_classes" else None
+        expected[mode] = int((nearest_prototype_predict(feats, bank, cand) == runner.test_y).sum())
+    assert results == expected and results["own_classes"] != results["all"]  # the option reached the count

@@ -96,7 +96,7 @@ def test_flat_params_cover_the_whole_config():
     assert flat["federation.mode"] == "async" and flat["data.partition.beta"] == 0.1
     assert flat["algorithm.name"] == "fedproto"
     # the algorithm's defaults are resolved into the config, so MLflow records them too
-    assert flat["algorithm.lam"] == 1.0 and flat["algorithm.aggregation"] == "uniform"
+    assert flat["algorithm.lam"] == 10.0 and flat["algorithm.aggregation"] == "uniform"  # FedSA / FedTGP scripts
     assert build_config({}, ["algorithm.lam=1e-1"]).flat()["algorithm.lam"] == 0.1  # typed, not the string
 
 

@@ -19,8 +19,10 @@ from rayfed_proto.algorithms.fedprotokd import (
     server_kd_loss,
     variance_weighted_logits,
 )
+from rayfed_proto.config import ConfigError, build_config, load_config
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models.zoo import build_model
+from rayfed_proto.preset_files import resolve_config_arg
 
 ALGO = ALGORITHMS.get("fedprotokd")
 CPU = torch.device("cpu")
@@ -38,6 +40,27 @@ def image_spec(feature_dim=4, public=12, side=8, seed=0, exponent=0.5, clients=2
                           build_arch=lambda arch, d: build_model(arch, 1, side, C, d), public_x=public_x)
 
 
+def test_the_learnable_projection_of_eq3_is_on_by_default_and_a_users_projector_wins():
+    cfg = build_config({"algorithm": {"name": "fedprotokd"}})
+    assert cfg.model.projector == "linear"
+    assert build_config({"algorithm": {"name": "fedprotokd"}, "model": {"projector": "pool"}}).model.projector == "pool"
+    for preset in ("fedprotokd_digits", "fedprotokd_cifar10"):
+        assert load_config(resolve_config_arg(preset)).model.projector == "linear"
+
+
+def test_scope_is_the_rounds_uploads_in_sync_mode_and_every_clients_latest_in_async_mode():
+    """Sync: only this round's uploads (the paper's S_t); a user's latest with partial participation is refused."""
+    sync = {"algorithm": {"name": "fedprotokd"}, "federation": {"mode": "sync", "participation": 0.5}}
+    assert build_config(sync).algorithm_options().aggregation_scope == "buffer"
+    assert build_config({"algorithm": {"name": "fedprotokd"}}).algorithm_options().aggregation_scope == "latest"
+    with pytest.raises(ConfigError) as err:
+        build_config({**sync, "algorithm": {"name": "fedprotokd", "aggregation_scope": "latest"}})
+    text = str(err.value)
+    assert "algorithm.aggregation_scope = 'latest'" in text and "participation 0.5 < 1" in text and "buffer" in text
+    full = {"algorithm": {"name": "fedprotokd", "aggregation_scope": "latest"}, "federation": {"mode": "sync"}}
+    assert build_config(full).algorithm_options().aggregation_scope == "latest"  # full participation: allowed
+
+
 def small_options(**kw):
     base = dict(server_arch="cnn", generator_epochs=2, server_epochs=1, server_batch_size=4)
     return ALGO.Options(**{**base, **kw})
@@ -51,7 +74,9 @@ def test_defaults_are_the_papers():
     assert (o.epsilon, o.gamma, o.upsilon, o.zeta) == (0.5, 0.5, 0.5, 50.0)
     assert (o.generator_epochs, o.server_epochs, o.server_batch_size, o.server_arch) == (100, 10, 32, "resnet34")
     assert not o.uniform_margin and o.sample_importance and o.client_distill == "before_local"
-    assert ALGO.config_defaults == {"data.public_size": 2500, "data.global_test_fraction": 0.2}
+    # model.projector linear: the learnable projection h_phi_k of Eq. 3
+    assert ALGO.config_defaults == {"data.public_size": 2500, "data.global_test_fraction": 0.2,
+                                    "model.projector": "linear"}
     with pytest.raises(ValueError):
         ALGO.Options(gamma=1.5)
     with pytest.raises(ValueError, match="unknown architecture 'resnet35'"):
