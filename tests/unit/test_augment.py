@@ -202,3 +202,11 @@ def test_batched_clients_with_augmentation_equal_one_after_another():
                 assert float((a - b).norm()) <= 1e-5 * max(float(a.norm()), 1e-12)
             else:
                 assert torch.equal(a, b)
+
+
+def test_fedsc_paper_preset_augments_as_the_authors_code():
+    from rayfed_proto.cli import resolve_config_arg
+    from rayfed_proto.config import load_config
+
+    cfg = load_config(resolve_config_arg("fedsc_cifar10"))
+    assert (cfg.data.augment, cfg.data.augment_per) == (["crop", "flip"], "batch")
