@@ -100,6 +100,19 @@ class PartitionConfig(_Section):
     unlabelled_per_client: int = Field(
         0, ge=0, description="size |U| of each client's separate unlabelled pool: samples of its classes that no client "
         "holds, labels hidden (FedSAP's semi-supervised regime, Table 3: 600); 0: none")
+    percent: Optional[dict[str, float]] = Field(
+        None, description="by_domain: per domain name, the percentage in (0, 100] of the domain's samples each of its "
+        "clients gets, a random subset drawn with the partition seed, the rest unused (FPL's protocol, which FedLSA "
+        "follows: WenkeHuang/RethinkFL datasets/digits.py percent_dict, 1 % of each Digits domain per client); a "
+        "domain not named: its clients share all of it; None: off")
+
+    @field_validator("percent")
+    @classmethod
+    def _percent_range(cls, v: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+        bad = {k: x for k, x in (v or {}).items() if not 0 < x <= 100}
+        if bad:
+            raise ValueError(f"percentages in (0, 100] (a percentage: 1 is 1 %, FPL's 0.01); out of range: {bad}")
+        return v
 
 
 class HFDataConfig(_Section):
@@ -122,6 +135,10 @@ class HFDataConfig(_Section):
                                "per-client split applies, as for the torchvision sets)")
 
 
+# data.augment's transforms (rayfed_proto.data.augment), FedSC's main_fedsc.py order
+AUGMENTATIONS = ("crop", "flip")
+
+
 class DataConfig(_Section):
     name: str = "digits"
     root: str = "./data"
@@ -141,8 +158,32 @@ class DataConfig(_Section):
         "None: the algorithm's default (methods with a global model use one)")
     public_size: Optional[int] = Field(
         None, ge=0, description="samples held out as the public unlabelled proxy set; None: the algorithm's default")
+    augment: list[str] = Field(
+        default_factory=list, description="train-time augmentation of every client's training batches, in order: crop "
+        "(pad 4 zeros, random window of image_size), flip (horizontal, p 0.5); [] or none: off (FedSC's main_fedsc.py: "
+        "RandomCrop(32, padding=4), RandomHorizontalFlip; rayfed_proto.data.augment)")
+    augment_per: Literal["sample", "batch"] = Field(
+        "sample", description="data.augment's random draws: one per image (sample) or one for the whole batch (batch: "
+        "what FedSC's main_fedsc.py computes, its torchvision transforms being applied to the 4-d batch tensor)")
     partition: PartitionConfig = PartitionConfig()
     hf: HFDataConfig = HFDataConfig()
+
+    @field_validator("augment", mode="before")
+    @classmethod
+    def _augment_names(cls, v: Any) -> list[str]:
+        """None, [] or 'none': off; a name or a list of names from AUGMENTATIONS, each at most once."""
+        if v is None or v == "none":
+            return []
+        names = [v] if isinstance(v, str) else v
+        allowed = f"a list of {', '.join(AUGMENTATIONS)} (each at most once; [] or none: off)"
+        if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"expected {allowed}")
+        unknown = [n for n in names if n not in AUGMENTATIONS]
+        if unknown:
+            raise ValueError(f"unknown augmentation {', '.join(map(repr, unknown))}; allowed: {allowed}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"a name is listed twice; allowed: {allowed}")
+        return list(names)
 
     @model_validator(mode="after")
     def _fedproto_test_shots(self) -> DataConfig:

@@ -140,12 +140,17 @@ def steps_per_epoch(n: int, batch_size: int) -> int:
 
 @dataclass
 class TrainBatchIterator:
-    """Seeded mini-batches over a client's training tensors (the generator state is saved)."""
+    """Seeded mini-batches over a client's training tensors (the generator state is saved).
+
+    ``augment`` (``data.augment``, rayfed_proto.data.augment): applied to each batch's images,
+    drawing from ``generator``, so the augmented batches are reproducible too. Only training
+    batches pass through here; evaluation and the upload's passes read the tensors as they are."""
 
     x: torch.Tensor
     y: torch.Tensor
     batch_size: int
     generator: torch.Generator
+    augment: Optional[Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = None
 
     def epoch(self):
         order = torch.randperm(len(self.y), generator=self.generator)
@@ -160,7 +165,8 @@ class TrainBatchIterator:
             last = chunks.pop()
             chunks[-1] = torch.cat([chunks[-1], last])
         for idx in chunks:
-            yield self.x[idx], self.y[idx]
+            xb = self.x[idx]
+            yield (xb if self.augment is None else self.augment(xb, self.generator)), self.y[idx]
 
 
 def guarded_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor) -> bool:

@@ -54,6 +54,26 @@ def partitioner_name_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     return unknown_name_issues("data.partition.name", cfg.data.partition.name, PARTITIONERS)
 
 
+@register_check("data")
+def domain_percent_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
+    """``data.partition.percent``: only with ``by_domain``, keyed by the dataset's domains
+    (a dataset not in ``DOMAIN_NAMES`` is checked when it is partitioned)."""
+    from rayfed_proto.data.domains import DOMAIN_NAMES
+
+    percent, part = cfg.data.partition.percent, cfg.data.partition
+    if percent is None:
+        return []
+    key = "data.partition.percent"
+    if part.name != "by_domain":
+        return [ConfigIssue(key=key, value=percent, allowed=f"only with data.partition.name = by_domain (now {part.name!r})")]
+    domains = cfg.data.domains or DOMAIN_NAMES.get(cfg.data.name)
+    unknown = [k for k in percent if domains is not None and k not in domains]
+    if unknown:
+        return [ConfigIssue(key=key, value=percent, allowed=f"keys from the domains of {cfg.data.name!r} in use: "
+                            f"{', '.join(domains)} (unknown: {', '.join(unknown)})")]
+    return []
+
+
 def _empty_index() -> np.ndarray:
     return np.empty(0, dtype=np.int64)
 
@@ -478,6 +498,33 @@ def resolve_clients_per_domain(value: Optional[list[int]], num_clients: int, dom
     return [int(k) for k in counts]
 
 
+def resolve_domain_percents(value: Optional[dict[str, float]], domain_names: list[str]) -> list[Optional[float]]:
+    """``data.partition.percent`` per domain, in ``domain_names`` order (None: the whole domain)."""
+    value = value or {}
+    unknown = [k for k in value if k not in domain_names]
+    if unknown:
+        raise ValueError(f"data.partition.percent = {value}: unknown domain(s) {', '.join(map(repr, unknown))}; "
+                         f"allowed: the dataset's domains {', '.join(domain_names)}")
+    return [value.get(name) for name in domain_names]
+
+
+def domain_share(name: str, available: int, clients: int, percent: float) -> int:
+    """Samples each of a domain's ``clients`` gets with ``percent``: ``floor(percent / 100 x
+    available)``, FPL's ``int(percent * len)`` (WenkeHuang/RethinkFL datasets/utils/
+    federated_dataset.py, ``partition_digits_domain_skew_loaders``), ``available`` being the
+    domain's samples left for the clients after any holdouts. E.g. 1 % of 7,291: 72 each."""
+    share = math.floor(percent / 100 * available + 1e-9)  # 1e-9: 10 % of 30 is 3, not 2.9999...
+    key = f"data.partition.percent[{name!r}] = {percent}"
+    if share < 1:
+        raise ValueError(f"{key}: {percent} % of the domain's {available} samples (after any holdouts) is less than one "
+                         f"sample per client; raise it to at least {math.ceil(100 / available * 1e6) / 1e6}")
+    if share * clients > available:
+        raise ValueError(f"{key}: {clients} clients x {share} samples ({percent} % each) exceed the domain's {available} "
+                         f"samples (after any holdouts); at most {math.floor(100 / clients * 1e6) / 1e6} % with "
+                         f"{clients} clients")
+    return share
+
+
 @PARTITIONERS.register("by_domain", help="domain skew: clients_per_domain clients per domain, within_domain inside each")
 def by_domain(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cfg: PartitionConfig,
               dataset: ArrayDataset) -> list[np.ndarray]:
@@ -487,6 +534,11 @@ def by_domain(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cf
     usps, svhn, synth); its samples are partitioned over them with the ``within_domain``
     partitioner, so label skew (e.g. ``dirichlet`` with ``beta``) composes with domain skew.
     Clients are numbered domain by domain: the first domain's clients come first.
+
+    With ``percent[name]`` (FPL's protocol, which FedLSA follows) only a random subset of the
+    domain, k x :func:`domain_share` samples for its k clients, drawn without replacement from
+    the partition's stream, is dealt out (``iid``: exactly ``domain_share`` each); the rest of
+    the domain stays unused.
     """
     if dataset.domains is None:
         raise ValueError(f"data.partition.name = 'by_domain' needs a multi-domain dataset (a per-sample domains column), "
@@ -497,6 +549,7 @@ def by_domain(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cf
     within = PARTITIONERS.get(cfg.within_domain)
     names = dataset.domain_names
     counts = resolve_clients_per_domain(cfg.clients_per_domain, num_clients, names)
+    percents = resolve_domain_percents(cfg.percent, names)
     parts: list[np.ndarray] = []
     for d, (name, k) in enumerate(zip(names, counts, strict=True)):
         members = np.flatnonzero(dataset.domains == d)
@@ -504,6 +557,8 @@ def by_domain(labels: np.ndarray, num_clients: int, rng: np.random.Generator, cf
             raise ValueError(f"by_domain: domain {name!r} has {len(members)} samples (after any holdouts), fewer than its "
                              f"{k} clients (data.partition.clients_per_domain = {cfg.clients_per_domain}); give it "
                              f"fewer clients")
+        if percents[d] is not None:  # FPL's protocol: each client a random percent of the domain
+            members = np.sort(rng.choice(members, size=k * domain_share(name, len(members), k, percents[d]), replace=False))
         sub = _view(dataset, members)
         try:
             got = within(sub.labels, k, rng, cfg, sub)

@@ -26,6 +26,7 @@ from rayfed_proto.algorithms.base import TrainBatchIterator
 from rayfed_proto.algorithms.common import nearest_prototype_predict, prototype_margin, staleness_weight
 from rayfed_proto.config import ExperimentConfig, group_is_homogeneous
 from rayfed_proto.data import ArrayDataset, ClientSplit
+from rayfed_proto.data.augment import batch_augment
 from rayfed_proto.messages import ClientUpdate, GlobalState, UpdateSchema, validate_update
 from rayfed_proto.models import MODEL_GROUPS, build_client_model, build_model
 from rayfed_proto.runtime import batched
@@ -167,7 +168,8 @@ class ClientRunner:
         if len(split.unlabelled_idx):  # data.partition.unlabelled_per_client: labels hidden from training
             self.algorithm.set_unlabelled_pool(*dataset.tensors(split.unlabelled_idx))
         self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
-                                          torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id))
+                                          torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id),
+                                          augment=batch_augment(cfg.data))  # data.augment: training batches only
         self.last_loss = float("nan")
         self.updates = 0  # local updates completed: names the state an evaluation asks for (``as_of``)
         # The client's own torch RNG stream (dropout and anything else drawing from torch's global

@@ -325,6 +325,63 @@ def test_by_domain_needs_domains_and_reports_inner_errors(ds, dom):
         make_partition(dom, cfg, num_clients=8, seed=0)
 
 
+def test_by_domain_percent_gives_each_client_a_random_percent_of_its_domain(dom):
+    # FPL's protocol: usps 10 % of 300 = 30 per client (4 clients), svhn 20 % = 60 (2 clients),
+    # mnist and synth not named: their clients share the whole domain as before
+    cfg = PartitionConfig(name="by_domain", clients_per_domain=[1, 4, 2, 3], percent={"usps": 10, "svhn": 20})
+    p = make_partition(dom, cfg, num_clients=10, seed=0)
+    assert p.sizes().tolist() == [300, 30, 30, 30, 30, 60, 60, 100, 100, 100]
+    for c, d in zip(p.clients, p.client_domains, strict=True):
+        assert (dom.domains[np.concatenate([c.train_idx, c.test_idx])] == d).all()
+    idx = all_indices(p)
+    assert len(np.unique(idx)) == len(idx) == 840  # disjoint; 180 of usps and 180 of svhn unused
+    assert make_partition(dom, cfg, num_clients=10, seed=0) == p
+    other = make_partition(dom, cfg, num_clients=10, seed=1)
+    assert not np.array_equal(other.clients[1].train_idx, p.clients[1].train_idx)  # a random subset, by seed
+
+
+def test_by_domain_percent_counts_the_domain_after_holdouts(dom):
+    # the global test set holds floor(30 x 0.2 + 0.5) = 6 of each (domain, class): 240 per domain
+    # left; 10 % of 240 = 24 per client; 100 %, one client: all 240
+    cfg = PartitionConfig(name="by_domain", clients_per_domain=[1, 1, 1, 1], percent={"mnist": 10, "usps": 100})
+    p = make_partition(dom, cfg, num_clients=4, seed=0, global_test_fraction=0.2)
+    assert p.sizes().tolist() == [24, 240, 240, 240]
+    assert not np.isin(all_indices(p), p.global_test_idx).any()
+
+
+@pytest.mark.parametrize(("percent", "message"), [
+    ({"usbs": 5}, r"data\.partition\.percent = \{'usbs': 5\.0\}: unknown domain\(s\) 'usbs'; allowed: the dataset's "
+                  r"domains mnist, usps, svhn, synth"),
+    ({"mnist": 0.1}, r"data\.partition\.percent\['mnist'\] = 0\.1: 0\.1 % of the domain's 300 samples .* less than one "
+                     r"sample per client; raise it to at least 0\.333334"),
+    ({"usps": 30}, r"data\.partition\.percent\['usps'\] = 30\.0: 4 clients x 90 samples \(30\.0 % each\) exceed the "
+                   r"domain's 300 samples .*at most 25\.0 % with 4 clients"),
+])
+def test_by_domain_percent_errors_name_the_key_value_and_limit(dom, percent, message):
+    cfg = PartitionConfig(name="by_domain", clients_per_domain=[1, 4, 2, 3], percent=percent)
+    with pytest.raises(ValueError, match=message):
+        make_partition(dom, cfg, num_clients=10, seed=0)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (["data.partition.percent={mnist: 1}"], r"data\.partition\.percent = \{'mnist': 1\.0\}: only with "
+                                            r"data\.partition\.name = by_domain \(now 'dirichlet'\)"),
+    (["data.name=multidigits", "data.partition.name=by_domain", "data.partition.percent={mnist: 1, syn: 1}"],
+     r"data\.partition\.percent = .*keys from the domains of 'multidigits' in use: mnist, usps, svhn, synth \(unknown: syn\)"),
+    (["data.name=multidigits", "data.domains=[usps, svhn]", "data.partition.name=by_domain",
+      "data.partition.percent={mnist: 1}"], r"in use: usps, svhn \(unknown: mnist\)"),
+    (["data.name=multidigits", "data.partition.name=by_domain", "data.partition.percent={mnist: 0}"],
+     r"data\.partition\.percent = \{'mnist': 0\}: percentages in \(0, 100\]"),
+    (["data.name=multidigits", "data.partition.name=by_domain", "data.partition.percent={mnist: 101}"],
+     r"out of range: \{'mnist': 101\.0\}"),
+])
+def test_percent_config_errors(sets, message):
+    from rayfed_proto.config import ConfigError, build_config
+
+    with pytest.raises(ConfigError, match=message):
+        build_config({}, sets)
+
+
 # --------------------------------------------------------------------------- holdouts
 
 
@@ -478,3 +535,12 @@ def test_a_partition_table_with_interleaved_rows_loads_each_group_in_table_order
     assert p.clients[2] == ClientSplit(2, np.array([], dtype=np.int64), np.array([], dtype=np.int64))
     assert list(p.global_test_idx) == [2] and list(p.public_idx) == [3]
     assert list(p.labels) == [1, 0, 0, 1, 1, 0, 0, 1]
+
+
+def test_fedlsa_paper_preset_gives_each_client_fpls_one_percent_of_its_domain():
+    from rayfed_proto.cli import resolve_config_arg
+    from rayfed_proto.config import load_config
+
+    part = load_config(resolve_config_arg("fedlsa_digits")).data.partition
+    assert (part.name, part.clients_per_domain) == ("by_domain", [1, 4, 2, 3])
+    assert part.percent == {"mnist": 1, "usps": 1, "svhn": 1, "synth": 1}  # RethinkFL datasets/digits.py percent_dict
