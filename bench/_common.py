@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from rayfed_proto.tracking.paper_metric import final_and_best
+
 
 def add_common_args(p: argparse.ArgumentParser, tracking_uri: str) -> None:
     p.add_argument("--cpus", type=int, default=2)
@@ -56,11 +58,9 @@ def series(history: list[dict], key: str) -> np.ndarray:
 
 
 def final_best(history: list[dict], key: str) -> tuple[float, float]:
-    """The last finite value of ``key`` and its best (max); NaN when it was never logged."""
-    v = series(history, key)
-    if not np.isfinite(v).any():
-        return math.nan, math.nan
-    return float(v[np.isfinite(v)][-1]), float(np.nanmax(v))
+    """The last finite value of ``key`` and its best (max); NaN when it was never logged
+    (``tracking.paper_metric.final_and_best``, the platform's one reduction)."""
+    return final_and_best(series(history, key))
 
 
 def cell(values, scale: float = 100.0) -> str:
