@@ -86,6 +86,9 @@ class PartitionConfig(_Section):
     n_way_std: int = Field(
         0, ge=0, description="n-way k-shot: per client n drawn uniformly from [max(2, n_way - n_way_std), "
         "min(C - 1, n_way + n_way_std)] (FedProto's --stdev, exps/federated_main.py n_list); 0: n_way for every client")
+    n_way_distribution: Literal["uniform", "normal"] = Field(
+        "uniform", description="n-way k-shot: per client n uniform as n_way_std says (FedProto's n_list, default) or "
+        "round(N(n_way, n_way_std)) clipped to [1, C] (FedSAP appendix Table 5)")
     k_shot: int = Field(20, ge=1, description="n-way k-shot: labelled training samples per class per client")
     k_shot_std: float = Field(0.0, ge=0, description="n-way k-shot: spread of k across clients (see k_shot_distribution)")
     k_shot_distribution: Literal["uniform", "normal"] = Field(

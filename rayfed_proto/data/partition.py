@@ -357,8 +357,13 @@ def kshot_ways(cfg: PartitionConfig, num_classes: int, num_clients: int, rng: np
     """n per client: ``n_way`` without ``n_way_std``; else uniform in [max(2, n_way - s),
     min(C - 1, n_way + s)], FedProto's ``n_list = np.random.randint(max(2, ways - stdev),
     min(num_classes, ways + stdev + 1), num_users)`` (exps/federated_main.py; numpy's upper bound
-    is exclusive). Where that range is empty (n_way < 2 or n_way = C) every client gets n_way."""
+    is exclusive). Where that range is empty (n_way < 2 or n_way = C) every client gets n_way.
+    ``n_way_distribution: normal``: round(N(n_way, n_way_std)) per client, clipped to [1, C]
+    (FedSAP appendix Table 5)."""
     s = cfg.n_way_std
+    if s > 0 and cfg.n_way_distribution == "normal":
+        # FedSAP appendix Table 5: n ~ N(mu_n, sigma^2), rounded, clipped to [1, C]
+        return np.clip(np.rint(rng.normal(cfg.n_way, s, size=num_clients)), 1, num_classes).astype(np.int64)
     low, high = max(2, cfg.n_way - s), min(num_classes - 1, cfg.n_way + s)
     if s == 0 or low > high:
         return np.full(num_clients, cfg.n_way)

@@ -544,3 +544,19 @@ def test_fedlsa_paper_preset_gives_each_client_fpls_one_percent_of_its_domain():
     part = load_config(resolve_config_arg("fedlsa_digits")).data.partition
     assert (part.name, part.clients_per_domain) == ("by_domain", [1, 4, 2, 3])
     assert part.percent == {"mnist": 1, "usps": 1, "svhn": 1, "synth": 1}  # RethinkFL datasets/digits.py percent_dict
+
+
+def test_n_way_normal_draws_round_of_a_gaussian_clipped_to_the_classes():
+    """FedSAP appendix Table 5: n ~ N(mu_n, sigma^2) per client; the same generator's draws,
+    rounded and clipped to [1, C], computed here by hand."""
+    from rayfed_proto.data.partition import kshot_ways
+
+    cfg = PartitionConfig(name="nway_kshot", n_way=3, n_way_std=2, n_way_distribution="normal")
+    got = kshot_ways(cfg, 5, 200, np.random.default_rng(7))
+    want = np.clip(np.rint(np.random.default_rng(7).normal(3, 2, size=200)), 1, 5)
+    assert got.tolist() == want.astype(int).tolist()
+    assert got.min() == 1 and got.max() == 5  # sigma 2 reaches both clips in 200 draws
+    uniform = kshot_ways(PartitionConfig(name="nway_kshot", n_way=3, n_way_std=2), 5, 200, np.random.default_rng(7))
+    assert set(uniform.tolist()) == {2, 3, 4}  # the default stays FedProto's uniform [max(2, n-s), min(C-1, n+s)]
+    with pytest.raises(ValueError, match="n_way_distribution"):
+        PartitionConfig(name="nway_kshot", n_way_distribution="poisson")
