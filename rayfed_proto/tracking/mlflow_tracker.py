@@ -415,11 +415,14 @@ class MlflowTracker:
                 self._write("delete_tag", client.delete_tag, run.info.run_id, key)
 
     def end(self, status: str = "FINISHED") -> None:
+        from rayfed_proto.tracking.links import no_mlflow_run_links
+
         run = self.mlflow.active_run()
         if run is None:
             return
         try:
-            self.mlflow.end_run(status=status)
+            with no_mlflow_run_links():  # the command prints the run's link, in the model-training view
+                self.mlflow.end_run(status=status)
         except Exception as e:
             if not is_store_busy(e):
                 raise

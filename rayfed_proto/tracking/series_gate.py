@@ -3,9 +3,9 @@
 The run's history (``RunResult.history``, history.csv/.parquet, ``on_eval``, Tune reports) keeps every
 figure; this module decides only what goes to MLflow as a *metric series*:
 
-* **one-value figures** (:data:`ONE_VALUE`: measured once per run, at its end: start-up time, the
-  actors' peak memory) are run *tags* under the same name (``federation/startup_s``), beside the
-  run's summary table, not single-dot charts;
+* **one-value figures** (:data:`ONE_VALUE`: the start-up time, measured once per run) are run
+  *tags* under the same name (``federation/startup_s``), beside the run's summary table, not
+  single-dot charts;
 * **held series**: every other figure outside :data:`ALWAYS_CHARTED` is held back while it keeps its
   first value (a counter, :data:`~rayfed_proto.tracking.metric_names.COUNTERS`: while it is 0), and
   logged, with the points held so far (back-filled at their steps), from the first step where it
@@ -15,9 +15,10 @@ figure; this module decides only what goes to MLflow as a *metric series*:
   never make a flat chart, and one that moves is drawn from its first evaluation on;
 * **always charted** (:data:`ALWAYS_CHARTED`): the evaluation (``eval/``), the per-client series
   (``zz_client/``) and the sweep parent's best value (``best/``): the figures users compare runs by,
-  logged as they come even when flat (a run stuck at chance accuracy is a result), and
-  ``federation/time_to_target_*`` (one value, kept a metric: the run list sorts runs by it as a
-  number, and sorts a tag as text).
+  logged as they come even when flat (a run stuck at chance accuracy is a result), and the
+  :data:`FINAL_FIGURES` (``federation/time_to_target_*``, the actors' peak memory
+  ``system/actors/...``): one value each, kept metrics because the run list sorts and filters runs
+  by a metric as a number and by a tag as text, which is how runs are compared by them.
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ from collections.abc import Mapping
 
 from rayfed_proto.tracking import metric_names as names
 
-ONE_VALUE: frozenset[str] = frozenset({
-    names.FEDERATION_STARTUP_S, names.SYSTEM_CLIENT_PEAK_RSS_MIB_MAX, names.SYSTEM_CLIENT_PSS_MIB_MAX,
-    names.SYSTEM_CLIENT_PSS_MIB_TOTAL, names.SYSTEM_SERVER_PEAK_RSS_MIB, names.SYSTEM_SERVER_PSS_MIB})
+ONE_VALUE: frozenset[str] = frozenset({names.FEDERATION_STARTUP_S})
 ALWAYS_PREFIXES = ("eval/", f"{names.CLIENT_SECTION}/", "best/")
-ALWAYS_CHARTED: frozenset[str] = frozenset({names.FEDERATION_TIME_TO_TARGET_SIM_S, names.FEDERATION_TIME_TO_TARGET_WALL_S})
+# one value each, kept metrics on purpose: the run list sorts and filters runs by a metric as a number (a tag as text)
+FINAL_FIGURES: frozenset[str] = frozenset({
+    names.FEDERATION_TIME_TO_TARGET_SIM_S, names.FEDERATION_TIME_TO_TARGET_WALL_S,
+    names.SYSTEM_CLIENT_PEAK_RSS_MIB_MAX, names.SYSTEM_CLIENT_PSS_MIB_MAX, names.SYSTEM_CLIENT_PSS_MIB_TOTAL,
+    names.SYSTEM_SERVER_PEAK_RSS_MIB, names.SYSTEM_SERVER_PSS_MIB})
+ALWAYS_CHARTED = FINAL_FIGURES
 
 
 def is_one_value(key: str) -> bool:
-    return key in ONE_VALUE or key.startswith("system/actors/client_actor_")
+    return key in ONE_VALUE
 
 
 def always_charted(key: str) -> bool:
