@@ -408,3 +408,30 @@ def test_links_carry_the_model_training_view_and_mlflow_prints_none_of_its_own(m
 
         assert MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get() is True
     assert "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ
+
+
+def test_system_metrics_sample_every_second_in_a_short_run_and_stretch_with_its_length(tmp_path, monkeypatch):
+    """Issue 49: MLflow's 10 s interval gave a short run one point per system metric (CPU at 0.00)."""
+    import time
+
+    from mlflow.tracking import MlflowClient, fluent
+
+    from rayfed_proto.config import TrackingConfig
+    from rayfed_proto.tracking import mlflow_tracker
+    from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment("sys", artifact_location=str(tmp_path / "a"))
+    tracker = MlflowTracker(TrackingConfig(tracking_uri=uri, experiment_name="sys", system_metrics=True))
+    tracker.start({})
+    tracker.log_metrics({names.EVAL_HEAD_ACC: 0.1}, step=0)
+    monitor = fluent.run_id_to_system_metrics_monitor[tracker.run_id]
+    assert monitor.sampling_interval == 1.0 and monitor.samples_before_logging == 1
+    time.sleep(2.6)
+    started = tracker._system_started
+    monkeypatch.setattr(mlflow_tracker, "_clock", lambda: started + 300.0)  # five minutes into the run
+    tracker.log_metrics({names.EVAL_HEAD_ACC: 0.2}, step=1)
+    assert monitor.sampling_interval == 5.0
+    tracker.end()
+    history = MlflowClient(uri).get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")
+    assert len({m.step for m in history}) >= 2
