@@ -431,7 +431,7 @@ def test_system_metrics_sample_every_second_in_a_short_run_and_stretch_with_its_
     started = tracker._system_started
     monkeypatch.setattr(mlflow_tracker, "_clock", lambda: started + 300.0)  # five minutes into the run
     tracker.log_metrics({names.EVAL_HEAD_ACC: 0.2}, step=1)
-    assert monitor.sampling_interval == 5.0
+    assert monitor.sampling_interval == pytest.approx(5.0)
     tracker.end()
     history = MlflowClient(uri).get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")
     assert len({m.step for m in history}) >= 2
