@@ -123,7 +123,8 @@ def main() -> None:
         run = client.search_runs([client.get_experiment_by_name(f"footprint_{args.which}").experiment_id])[0]
         m, p = run.data.metrics, run.data.params
     row = {"which": args.which, "clients": p.get("federation.num_clients"), "client_actors": p.get("plan.num_actors"),
-           "startup_s": round(m.get("federation/startup_s", float("nan")), 1), "total_s": round(total_s, 1),
+           "startup_s": round(float(run.data.tags.get("federation/startup_s", m.get("federation/startup_s", "nan"))), 1),
+           "total_s": round(total_s, 1),
            "peak_pss_gib": round(peak["pss"] / 1024, 2), "peak_rss_sum_gib": round(peak["rss"] / 1024, 2),
            "processes_at_peak": peak["procs"], "peak_at_s": round(peak.get("at_s", float("nan")), 1), "head_acc": round(m.get("eval/head_acc", float("nan")), 4),
            "pss_client_actors_total_mib": round(m.get("system/actors/client_pss_mib_total", float("nan")), 0),

@@ -90,7 +90,7 @@ def run_platform(args, method: str, tmp: Path, extra: tuple[str, ...] = ()) -> d
 
         client = MlflowClient(f"sqlite:///{tmp / 'mlflow.db'}")
         run = client.search_runs([client.get_experiment_by_name(f"round_time_{method}").experiment_id])[0]
-        startup = run.data.metrics.get("federation/startup_s", float("nan"))
+        startup = float(run.data.tags.get("federation/startup_s", run.data.metrics.get("federation/startup_s", "nan")))
         actors = int(float(run.data.params.get("plan.num_actors", "nan")))
     else:  # tracking disabled: the same figures from the run's summary.txt and the run's own output
         import re

@@ -381,7 +381,8 @@ class TrackingConfig(_Section):
     client_series_sample: int = Field(
         20, ge=0, description="above client_series_limit: clients in the seeded sample (plus the final worst and best)")
     system_metrics: bool = Field(True, description="MLflow system metrics (CPU, memory, GPU) of the driver process")
-    system_metrics_interval_s: float = Field(10.0, gt=0, description="sampling interval of the system metrics")
+    system_metrics_interval_s: float = Field(10.0, gt=0, description="longest sampling interval of the system metrics "
+                                             "(they sample every 1 s at first, about 60 times over the run so far)")
     target_accuracy: Optional[float] = Field(
         None, gt=0, le=1, description="the summary reports the simulated (virtual clock) and wall time to reach this "
         "head accuracy, and the accuracy-vs-time plots draw it (a fraction in (0, 1]; none: not reported)")

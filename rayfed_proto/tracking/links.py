@@ -9,10 +9,18 @@ runs. The experiment tag ``mlflow.experimentKind`` that earlier 3.x releases rea
 3.17 (its feature check always takes the workflow type). So every link here carries
 ``?workflowType=machine_learning``; a link without it (the experiment list, a bookmark) follows
 the browser's stored choice, which the sidebar switch sets once per browser.
+
+The workflow type is read on every page, the Compare page (``#/compare-runs?...``) included, so a
+compare link carries it too (:func:`compare_url`). What the project cannot change: MLflow's own
+Compare button, its Home and Experiments lists, link without it; the experiment tag
+``mlflow.experimentKind`` (``custom_model_development``) is still set on every experiment the
+project creates, for the releases that read it (3.0-3.x before the workflow switch) and as a label.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Optional
 
 ML_VIEW = "workflowType=machine_learning"
@@ -32,6 +40,41 @@ def experiment_url(base: str, experiment_id: str) -> str:
 def run_url(base: str, experiment_id: str, run_id: str) -> str:
     """One run's page, in the model-training view."""
     return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{ML_VIEW}"
+
+
+def compare_url(base: str, experiment_id: str, run_ids: list[str]) -> str:
+    """MLflow's Compare page of ``run_ids`` (what the run list's Compare button opens, without the
+    ``workflowType`` that keeps its sidebar and breadcrumb in the model-training view)."""
+    import json
+    from urllib.parse import quote
+
+    def arg(values: list[str]) -> str:
+        return quote(json.dumps(values, separators=(",", ":")), safe="")
+
+    return f"{base.rstrip('/')}/#/compare-runs?runs={arg(list(run_ids))}&experiments={arg([experiment_id])}&{ML_VIEW}"
+
+
+def relative(url: str) -> str:
+    """A link of a run's description (markdown), relative to the page that shows it: ``#/...``
+    (MLflow's UI opens it in a new tab on the same server)."""
+    return url[url.index("#/"):]
+
+
+@contextlib.contextmanager
+def no_mlflow_run_links():
+    """Without MLflow's own "View run <name> at: <server>/#/experiments/<id>/runs/<id>" lines (printed
+    when a run on a tracking server ends): they have no ``workflowType`` (the GenAI view), and a
+    sweep's are links to its temporary server, dead once it ends. The command prints its own link."""
+    key = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+    before = os.environ.get(key)
+    os.environ[key] = "true"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def is_server(uri: Optional[str]) -> bool:

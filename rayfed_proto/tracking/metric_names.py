@@ -113,9 +113,13 @@ SYSTEM_SERVER_PSS_MIB = "system/actors/server_pss_mib"
 SWEEP_TRIALS = "sweep/trials"
 SWEEP_TRIALS_ERRORED = "sweep/trials_errored"
 
-# counts of things that usually never happen: logged to MLflow only from their first non-zero value on (a chart
-# that stays at 0 only buries the ones that move); the history (history.parquet, on_eval, Tune) holds every value
+TRAIN_NONFINITE_STEPS = "train/nonfinite_steps"  # local steps skipped for a non-finite loss (train_term)
+
+# counts of things that usually never happen: charted in MLflow only once non-zero, with the zeros before back-filled
+# (tracking/series_gate.py; a chart that stays at 0 only buries the ones that move); the history (history.parquet,
+# on_eval, Tune) holds every value
 COUNTERS: frozenset[str] = frozenset(v for k, v in dict(globals()).items() if k.startswith("RELIABILITY_")) | {
+    TRAIN_NONFINITE_STEPS,
     FEDERATION_UPDATES_DROPPED, FEDERATION_UPDATES_LATE, FEDERATION_UPDATES_REFUSED,
     FEDERATION_UPDATES_WITHHELD_AFTER_END, FEDERATION_VERSIONS_EMPTY, FEDERATION_UPDATES_DROPPED_OFFLINE,
     FEDERATION_UPDATES_DROPPED_DEADLINE, FEDERATION_UPDATES_DROPPED_OVER_SELECTION, SERVER_VERSIONS_ROLLED_BACK}

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayfed_proto.config import InputError, TrackingConfig
-from rayfed_proto.tracking.metric_names import COUNTERS, EVAL_HEAD_ACC, SCHEMA_TAG, SCHEMA_VERSION, is_name
+from rayfed_proto.tracking.metric_names import EVAL_HEAD_ACC, SCHEMA_TAG, SCHEMA_VERSION, is_name
+from rayfed_proto.tracking.series_gate import SeriesGate
 
 log = logging.getLogger("rayfed_proto")
 
@@ -88,6 +89,18 @@ def is_store_busy(error: BaseException | str) -> bool:
     return any(s in text for s in _BUSY)
 
 
+SYSTEM_SAMPLES_PER_RUN = 60  # the system metrics' points over a run's length so far, until the longest interval
+SYSTEM_SHORTEST_INTERVAL_S = 1.0
+
+
+def system_metrics_interval(elapsed_s: float, longest_s: float) -> float:
+    """The system metrics' sampling interval after ``elapsed_s`` seconds of a run: about
+    :data:`SYSTEM_SAMPLES_PER_RUN` samples over the run so far (``elapsed_s / 60``), at least 1 s,
+    at most ``tracking.system_metrics_interval_s`` (``longest_s``). MLflow's fixed 10 s gave a
+    one-minute run 5 points, the first of them 0 % CPU (psutil's first reading: issue 49)."""
+    return min(float(longest_s), max(SYSTEM_SHORTEST_INTERVAL_S, elapsed_s / SYSTEM_SAMPLES_PER_RUN))
+
+
 class StoreBusyError(RuntimeError):
     """The MLflow store stayed locked for longer than :attr:`MlflowTracker.busy_retry_s`."""
 
@@ -138,15 +151,13 @@ class MlflowTracker:
         self.parent_run_id = cfg.parent_run_id
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
-        self.counters_moved: set[str] = set()  # counters (metric_names.COUNTERS) logged since they left 0
+        self.gate = SeriesGate()  # what becomes a chart (tracking/series_gate.py)
         self._system_metrics_pending = False  # started after the run's first metrics
         self._resumed = False
         self.resumed_status: Optional[str] = None  # a resumed run's status before this driver reopened it
         self.system_metrics = cfg.system_metrics
-        if cfg.system_metrics:
-            from mlflow.system_metrics import set_system_metrics_sampling_interval
-
-            set_system_metrics_sampling_interval(cfg.system_metrics_interval_s)
+        self.system_metrics_longest_s = cfg.system_metrics_interval_s
+        self._system_started: Optional[float] = None
 
     def _write(self, what: str, fn, *args, **kwargs):
         """``fn(*args, **kwargs)``, retried while the store is locked by another process (backoff
@@ -246,6 +257,7 @@ class MlflowTracker:
             self._write("set_tags", MlflowClient(self.uri).log_batch, run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         run = self.mlflow.start_run(run_id=run_id, log_system_metrics=False)
         self.run_id, self.experiment_id = run.info.run_id, run.info.experiment_id
+        self.gate = SeriesGate(run.data.metrics)  # charted before the interruption: they go on
         self._system_metrics_pending, self._resumed = self.system_metrics, True
         return self.run_id
 
@@ -267,19 +279,27 @@ class MlflowTracker:
     def log_metrics(self, metrics: dict[str, Any], step: int, model_id: Optional[str] = None, dataset=None) -> None:
         """Finite numbers only, under the names they were born with (made by
         :mod:`rayfed_proto.tracking.metric_names`; nothing is renamed here). A key that module did
-        not make is logged as given, with a warning (once per key): it bypasses the table."""
-        clean = self.skip_still_zero_counters(
-            {k: float(v) for k, v in metrics.items()
-             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))})
+        not make is logged as given, with a warning (once per key): it bypasses the table.
+
+        What becomes a chart is :class:`~rayfed_proto.tracking.series_gate.SeriesGate`'s call: a
+        one-value figure is a tag, a series is held while it keeps its first value (a counter: 0)."""
+        clean = {k: float(v) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))}
         if not clean:
             return
         _warn_unnamed(clean)
+        now, backfill, tags = self.gate.admit(clean, step)
+        if tags:
+            self.set_tags(tags)
+        if backfill:
+            self.log_metric_points(backfill)
         with _no_schema_hint():  # a dataset not logged before (a resumed run) has its schema inferred here
-            for items in _chunks(list(clean.items()), 1000):  # MLflow's batch limit
+            for items in _chunks(list(now.items()), 1000):  # MLflow's batch limit
                 self._write("log_metrics", self.mlflow.log_metrics, dict(items), step=step, model_id=model_id,
                             dataset=dataset)
         self._start_system_metrics()
         self._revive_system_metrics()
+        self._pace_system_metrics()
 
     def _start_system_metrics(self) -> None:
         """MLflow's system-metrics thread, started once the run has logged its first metrics (the
@@ -293,17 +313,28 @@ class MlflowTracker:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
             from mlflow.tracking import fluent
 
-            monitor = SystemMetricsMonitor(self.run_id, resume_logging=self._resumed)
+            monitor = SystemMetricsMonitor(self.run_id, sampling_interval=system_metrics_interval(0.0, self.system_metrics_longest_s),
+                                           samples_before_logging=1, resume_logging=self._resumed)
             fluent.run_id_to_system_metrics_monitor[self.run_id] = monitor  # end_run finishes it
             monitor.start()
+            self._system_started = _clock()
         except Exception as e:  # the run goes on without them
             log.warning("could not start MLflow system metrics for run %s: %r", self.run_id, e)
 
-    def skip_still_zero_counters(self, metrics: dict[str, float]) -> dict[str, float]:
-        """``metrics`` without the counters (:data:`~rayfed_proto.tracking.metric_names.COUNTERS`)
-        that have been 0 so far: a counter's chart starts at its first non-zero value."""
-        self.counters_moved.update(k for k, v in metrics.items() if k in COUNTERS and v != 0)
-        return {k: v for k, v in metrics.items() if k not in COUNTERS or k in self.counters_moved}
+    def _pace_system_metrics(self) -> None:
+        """Stretch the system metrics' sampling interval with the run's length so far
+        (:func:`system_metrics_interval`): MLflow's monitor reads it before each sample."""
+        if self._system_started is None or self.run_id is None:
+            return
+        try:
+            from mlflow.tracking import fluent
+
+            monitor = fluent.run_id_to_system_metrics_monitor.get(self.run_id)
+            if monitor is not None:
+                monitor.sampling_interval = system_metrics_interval(_clock() - self._system_started,
+                                                                    self.system_metrics_longest_s)
+        except Exception:  # another MLflow version: its system metrics are its own business
+            pass
 
     def log_metric_points(self, points: list[tuple[str, float, int]]) -> None:
         """(key, value, step) logged after the fact (back-filled series), keys as given."""
@@ -325,16 +356,21 @@ class MlflowTracker:
         with _no_schema_hint():  # the datasets' schemas are inferred here, on first use
             self._write("log_inputs", self.mlflow.log_inputs, datasets=datasets, contexts=contexts, tags_list=tags)
 
-    def log_model(self, model, name: str, step: int = 0, tags: Optional[dict[str, str]] = None, **kwargs) -> Optional[str]:
-        """``mlflow.pytorch.log_model`` (``kwargs``) as an output of this run at ``step``, with no run metric
-        linked to it; returns the logged model's id.
+    def log_model(self, model, name: str, step: int = 0, tags: Optional[dict[str, str]] = None,
+                  model_params: Optional[dict[str, str]] = None, **kwargs) -> Optional[str]:
+        """``mlflow.pytorch.log_model`` (``kwargs``) as an output of this run at ``step`` (and never an
+        input), with no run metric linked to it; the model's params are the run's plus
+        ``model_params`` (its accuracy when it was logged); returns the logged model's id.
 
         Under an active run, MLflow 3's ``log_model(step=s)`` links every metric the run holds at step
         ``s`` to the new model (system metrics included), and the metrics logged later at ``s`` in this
         process too: every ``eval/``, ``federation/``... figure of the final version would be the
         model's. So the logged model is created with this run as its source, written from a thread
         that has no active run (MLflow's active run is thread-local), and recorded as the run's output
-        at ``step`` here. Metrics that measure the model are linked by ``log_metrics(model_id=...)``."""
+        at ``step`` here. The figures that measure the model are its params, not metrics linked to it:
+        ``log_metrics(model_id=...)`` made a one-point run chart per figure, and recorded the model as
+        an *input* of the run too (MLflow's fluent API does so for a model it does not yet know as an
+        output of the active run object), shown as "Input", step "-" on the run's Overview (issue 49)."""
         from concurrent.futures import ThreadPoolExecutor
 
         import mlflow.pytorch
@@ -342,7 +378,8 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.uri)
-        params = client.get_run(self.run_id).data.params  # as log_model does: the model carries the run's params
+        params = {**client.get_run(self.run_id).data.params,  # as log_model does: the model carries the run's params
+                  **{k: str(v) for k, v in (model_params or {}).items()}}
         logged = self.mlflow.initialize_logged_model(name=name, source_run_id=self.run_id, tags=tags, params=params,
                                                      experiment_id=self.experiment_id)
         with ThreadPoolExecutor(1, thread_name_prefix="mlflow-log-model") as pool, _no_pickle_notice():
@@ -378,11 +415,14 @@ class MlflowTracker:
                 self._write("delete_tag", client.delete_tag, run.info.run_id, key)
 
     def end(self, status: str = "FINISHED") -> None:
+        from rayfed_proto.tracking.links import no_mlflow_run_links
+
         run = self.mlflow.active_run()
         if run is None:
             return
         try:
-            self.mlflow.end_run(status=status)
+            with no_mlflow_run_links():  # the command prints the run's link, in the model-training view
+                self.mlflow.end_run(status=status)
         except Exception as e:
             if not is_store_busy(e):
                 raise
@@ -445,12 +485,6 @@ class NullTracker:
     def log_metrics(self, metrics, step, model_id=None, dataset=None):
         pass
 
-    def skip_still_zero_counters(self, metrics: dict[str, float]) -> dict[str, float]:
-        """``metrics`` without the counters (:data:`~rayfed_proto.tracking.metric_names.COUNTERS`)
-        that have been 0 so far: a counter's chart starts at its first non-zero value."""
-        self.counters_moved.update(k for k, v in metrics.items() if k in COUNTERS and v != 0)
-        return {k: v for k, v in metrics.items() if k not in COUNTERS or k in self.counters_moved}
-
     def log_metric_points(self, points):
         pass
 
@@ -460,7 +494,7 @@ class NullTracker:
     def log_inputs(self, datasets, contexts, tags=None):
         pass
 
-    def log_model(self, model, name, step=0, tags=None, **kwargs):
+    def log_model(self, model, name, step=0, tags=None, model_params=None, **kwargs):
         return None
 
     def log_params(self, params):

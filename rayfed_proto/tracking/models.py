@@ -18,9 +18,12 @@ input example (two test images, normalised as the clients see them) so MLflow in
 signature, and with ``rayfed_proto`` itself as a code path, so ``mlflow.pytorch.load_model`` works
 where the package is not installed. The model of a client is the one its final evaluation scores
 (its weights after taking in the final broadcast), and the accuracy that this export measures is
-logged linked to the model: ``model/client_<id>/head_acc`` (``proto_acc``, ``test_samples``) on the
-client's test split, ``model/server/global_acc`` on the global test set. No other metric of the run
-is linked to a model (:meth:`rayfed_proto.tracking.mlflow_tracker.MlflowTracker.log_model`).
+a param of the logged model (``head_acc``, ``proto_acc`` on the client's test split, whose size is
+its tag ``test_samples``; ``global_acc`` on the global test set; the split: ``eval_split``) and is
+listed in the run's description. It is no run metric: one value per model made one single-dot
+chart each (``model/client_<id>/...``, issue 49), and no run metric is linked to a model
+(:meth:`rayfed_proto.tracking.mlflow_tracker.MlflowTracker.log_model`). The model is an output of
+the run at its final version, never an input.
 
 Format: ``serialization_format="pickle"`` (``torch.save`` of the module), so that
 ``mlflow.pytorch.load_model`` gives back the ``ProtoModel`` itself, an ``nn.Module`` with
@@ -112,20 +115,25 @@ def format_kwargs() -> dict[str, str]:
     return {}
 
 
+def model_params(metrics: dict[str, float], split: str | None = None) -> dict[str, str]:
+    """A logged model's own params: the figures measured when it was logged (``head_acc`` ...) and
+    the split they were measured on (``eval_split``)."""
+    out = {k: f"{v:.6g}" for k, v in metrics.items()}
+    if split and metrics:
+        out["eval_split"] = split
+    return out
+
+
 def log_pytorch_model(tracker, model, name: str, input_example: np.ndarray, metrics: dict[str, float], step: int,
-                      dataset=None, tags: dict[str, Any] | None = None, why: str | None = None) -> str | None:
-    """Log a :func:`loadable_copy` of ``model`` in the pickle format, and ``metrics`` linked to it alone
-    (``model/<name>/<key>``); ``why`` (the model was chosen) is its description; returns the model id."""
+                      split: str | None = None, tags: dict[str, Any] | None = None, why: str | None = None) -> str | None:
+    """Log a :func:`loadable_copy` of ``model`` in the pickle format as an output of the run at ``step``,
+    with ``metrics`` (measured on ``split``) as its params (:func:`model_params`); ``why`` (the model was
+    chosen) is its description; returns the model id."""
     import rayfed_proto
-    from rayfed_proto.tracking.metric_names import model_metric
 
     tags = {k: str(v) for k, v in (tags or {}).items()}
     if why:
         tags.update({"mlflow.note.content": f"{name}: {why}", "rayfed_proto.chosen_because": why[:5000]})
-    model_id = tracker.log_model(loadable_copy(model), name, step=step, tags=tags,
-                                 input_example=input_example, pip_requirements=pip_requirements(),
-                                 code_paths=[str(Path(rayfed_proto.__file__).resolve().parent)], **format_kwargs())
-    if model_id is not None and metrics:
-        tracker.log_metrics({model_metric(name, k): v for k, v in metrics.items()}, step=step, model_id=model_id,
-                            dataset=dataset)
-    return model_id
+    return tracker.log_model(loadable_copy(model), name, step=step, tags=tags, model_params=model_params(metrics, split),
+                             input_example=input_example, pip_requirements=pip_requirements(),
+                             code_paths=[str(Path(rayfed_proto.__file__).resolve().parent)], **format_kwargs())

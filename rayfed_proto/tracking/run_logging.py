@@ -213,17 +213,18 @@ class RunLogging:
         try:
             for m in models:
                 log_pytorch_model(self.tracker, m["model"], m["name"], self.input_example, m["metrics"], step,
-                                  dataset=self._dataset(m["split"]), tags=m["tags"], why=m.get("why"))
-                logged.append(m["name"])
+                                  split=self._split_name(m["split"]), tags=m["tags"], why=m.get("why"))
+                shown = ", ".join(f"{k} {v:.4f}" for k, v in m["metrics"].items())
+                logged.append(f"{m['name']} ({shown})" if shown else m["name"])
         except Exception as e:  # a model that cannot be saved must not fail a finished run
             log.warning("could not log models to MLflow: %r", e)
         return logged
 
-    def _dataset(self, split: str):
-        if self.inputs is None:
-            return None
-        name = f"{getattr(self.inputs[0][0], 'name', '')}/{split}"
-        return next((d for d in self.inputs[0] if d.name == name), None)
+    def _split_name(self, split: str) -> str:
+        """The logged dataset's name of ``split`` (``digits/test``), as the run's Datasets panel shows it."""
+        if self.inputs is None or not self.inputs[0]:
+            return split
+        return f"{getattr(self.inputs[0][0], 'name', '')}/{split}"
 
 
 def description(summary: str, client_series: str, models: list[str]) -> str:

@@ -40,7 +40,8 @@ class SweepPlan:
 
 
 def plan_sweep(spec: SweepSpec, base_raw: dict, *, tracking_uri: Optional[str], parent_run_id: Optional[str],
-               output_dir: str, driver_pin: dict[str, float], experiment_name: str) -> SweepPlan:
+               output_dir: str, driver_pin: dict[str, float], experiment_name: str,
+               store_uri: Optional[str] = None) -> SweepPlan:
     """The plan of ``spec``'s trials (``base_raw``: the base with absolute paths; the keywords:
     the :class:`TrialContext` fields the sweep's place and MLflow server decide)."""
     cap = capacity(spec.base_config.resources)
@@ -49,7 +50,8 @@ def plan_sweep(spec: SweepSpec, base_raw: dict, *, tracking_uri: Optional[str], 
                        trial_resources=tr.model_dump(),
                        gpus_per_trial=resolve_gpus_per_trial(tr.gpus_per_trial, cap.gpus, spec.file.max_concurrent_trials),
                        metric=spec.file.metric, tracking_uri=tracking_uri, parent_run_id=parent_run_id,
-                       output_dir=output_dir, driver_pin=driver_pin, experiment_name=experiment_name)
+                       output_dir=output_dir, driver_pin=driver_pin, experiment_name=experiment_name,
+                       store_uri=store_uri or tracking_uri, source=spec.source)
     corners = tuple(trial_config(ctx, values)[1] for values in corner_values(spec.space))
     return SweepPlan(spec, cap, ctx, corners)
 

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import yaml
 
 from rayfed_proto.config import ExperimentConfig, build_config, set_dotted
+from rayfed_proto.tracking.links import compare_url, relative, run_url
 from rayfed_proto.tuning.spec import Distribution, SweepSpec
 
 
@@ -89,12 +90,16 @@ def parent_description(sweep: str, metric: str, mode: str, ranked: list[dict[str
     if scored:
         best = scored[0]
         rid = best.get("mlflow_run_id")
-        link = f"[{rid}](#/experiments/{experiment_id}/runs/{rid})" if rid and experiment_id else f"`{rid}`"
+        link = f"[{rid}]({relative(run_url('', experiment_id, rid))})" if rid and experiment_id else f"`{rid}`"
         swept = ", ".join(f"`{k}` = {best.get(k)!r}" for k in space)
         lines += ["", f"**Best child run: {link}** (trial {best.get('trial')}): {swept}; `{metric}` = "
                       f"{_fmt(best.get(metric))}. Its config: the artifact `best.yaml`."]
     else:
         lines += ["", "No trial reported the metric: no best child."]
+    run_ids = [str(r["mlflow_run_id"]) for r in ranked if r.get("mlflow_run_id")]
+    if experiment_id and len(run_ids) > 1:
+        lines += ["", f"[Compare the trials]({relative(compare_url('', experiment_id, run_ids[:50]))}) (MLflow's "
+                      "Compare page: parallel coordinates, scatter and box plots of the trials' params and metrics)."]
     cols = ["rank", "trial", *space, metric, "status", "mlflow_run_id"]
     lines += ["", "```", text_table(ranked[:50], cols), "```", "",
               f"Plots (artifacts): `plots/parallel_coordinates.png` (the swept parameters against `{metric}`, one "

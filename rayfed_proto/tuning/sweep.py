@@ -22,6 +22,7 @@ import yaml
 
 from rayfed_proto.config import ConfigError, ConfigIssue
 from rayfed_proto.runtime.autoscale import withdraw_request
+from rayfed_proto.tracking.links import experiment_url, no_mlflow_run_links
 from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED, sweep_best
 from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, resolve_tracking_uri
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
@@ -129,6 +130,11 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
               tracking_uri: Optional[str] = None, best_out: Optional[Path] = None, stop=None, verbose: int = 1,
               echo: Callable[[str], None] = print) -> SweepResult:
     """Run ``spec`` (or continue the sweep folder ``resume``); returns the ranking."""
+    with no_mlflow_run_links():  # MLflow's "View run ... http://127.0.0.1:<port>": the temporary server's, dead after
+        return _run_sweep(spec, resume, address, tracking_uri, best_out, stop, verbose, echo)
+
+
+def _run_sweep(spec, resume, address, tracking_uri, best_out, stop, verbose, echo) -> SweepResult:
     import mlflow
     from mlflow.tracking import MlflowClient
     from ray import tune
@@ -147,11 +153,13 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
         if store_uri is not None and not is_remote_uri(store_uri):
             server = LocalMlflowServer(store_uri)
             log_uri = server.start()
-            echo(f"MLflow server for this sweep: {log_uri} (127.0.0.1 only) over {store_uri}")
         if log_uri is not None:
             mlflow.set_tracking_uri(log_uri)
             client = MlflowClient(log_uri)
             experiment = mlflow.set_experiment(spec.base_config.tracking.experiment_name)
+            if server is not None:
+                echo(f"MLflow server for this sweep, while it runs (127.0.0.1 only): "
+                     f"{experiment_url(log_uri, experiment.experiment_id)} over {store_uri}")
             if parent_run_id is None:
                 parent_run_id = _start_parent_run(client, experiment.experiment_id, spec, exp_path)
             else:
@@ -167,7 +175,8 @@ def run_sweep(spec: Optional[SweepSpec] = None, *, resume: Optional[str] = None,
                 _close_children(client, spec, parent_run_id, _errored_trials(exp_path))
 
         plan = plan_sweep(spec, base_raw, tracking_uri=log_uri, parent_run_id=parent_run_id, output_dir=output_dir,
-                          driver_pin=_driver_pin(log_uri), experiment_name=exp_path.rstrip("/").rsplit("/", 1)[-1])
+                          driver_pin=_driver_pin(log_uri), experiment_name=exp_path.rstrip("/").rsplit("/", 1)[-1],
+                          store_uri=store_uri)
         check_cluster(plan)
         asked = request_for_trials(plan)  # issue 13: an autoscaling cluster starts the nodes now
         trainable = tune.with_resources(make_trainable(plan.ctx), trial_resources_fn(plan.ctx))
@@ -396,11 +405,44 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
                 client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))
             if scored[0].get("mlflow_run_id"):
                 client.set_tag(parent_run_id, "best.run_id", str(scored[0]["mlflow_run_id"]))
+        _mark_best_trial(client, parent_run_id, scored[0].get("mlflow_run_id") if scored else None, metric)
         client.set_tag(parent_run_id, "mlflow.note.content", parent_description(
             spec.name, metric, mode, ranked, list(spec.space), client.get_run(parent_run_id).info.experiment_id))
-        client.log_metric(parent_run_id, SWEEP_TRIALS, len(ranked))
-        client.log_metric(parent_run_id, SWEEP_TRIALS_ERRORED, errors)
+        # counts of one value each: tags, not one-point charts (issue 49); no errors, no tag
+        client.set_tag(parent_run_id, SWEEP_TRIALS, str(len(ranked)))
+        if errors:
+            client.set_tag(parent_run_id, SWEEP_TRIALS_ERRORED, str(errors))
     return SweepResult(exp_path, parent_run_id, store_uri, ranked, table, best_path, errors)
+
+
+BEST_TAG = "rayfed_proto.best_trial"
+BEST_PREFIX = "[best] "
+
+
+def best_trial_name(name: str) -> str:
+    """A trial run's name in the run list once it is the sweep's best: ``[best] lam=10 fedsa sw-1``
+    (in front: the list cuts long names at the end)."""
+    return name if name.startswith(BEST_PREFIX) else (BEST_PREFIX + name)[:250]
+
+
+def _mark_best_trial(client, parent_run_id: str, best_run_id: Optional[str], metric: str) -> None:
+    """Mark the best trial's run in the run list (its name, the tag ``rayfed_proto.best_trial``) and
+    unmark a trial that was the best before a resume. Bookkeeping: a failure only warns."""
+    try:
+        exp = client.get_run(parent_run_id).info.experiment_id
+        marked = client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and "
+                                                          f"tags.`{BEST_TAG}` = 'true'", max_results=1000)
+        for run in marked:
+            if run.info.run_id != best_run_id:
+                client.delete_tag(run.info.run_id, BEST_TAG)
+                name = run.info.run_name or ""
+                if name.startswith(BEST_PREFIX):
+                    client.set_tag(run.info.run_id, "mlflow.runName", name[len(BEST_PREFIX):])
+        if best_run_id:
+            client.set_tag(best_run_id, BEST_TAG, "true")
+            client.set_tag(best_run_id, "mlflow.runName", best_trial_name(client.get_run(best_run_id).info.run_name or ""))
+    except Exception as e:
+        log.warning("could not mark the best trial (by %s) in MLflow: %s", metric, e)
 
 
 def _rounds(spec: SweepSpec, config: Optional[dict[str, Any]]) -> int:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayfed_proto.config import ExperimentConfig, build_config, set_dotted
-from rayfed_proto.tuning.mlflow_server import is_loopback_uri
 from rayfed_proto.tuning.resources import TrialPlan, placement_group_factory, trial_overrides
 from rayfed_proto.tuning.spec import TrialResources
 
@@ -37,6 +36,30 @@ class TrialContext:
     driver_pin: dict[str, float] = field(default_factory=dict)
     experiment_name: str = ""             # the sweep's Tune folder name: each trial's runs go under
                                           # <output_dir>/<experiment_name>/<trial id>/ (found again on resume)
+    store_uri: Optional[str] = None       # the store behind tracking_uri (the sweep's temporary server): what lasts
+    source: str = ""                      # the sweep file
+
+
+def trial_source(ctx: TrialContext) -> str:
+    """A trial run's Source (the tag ``mlflow.source.name``): the command that ran it, not Ray's
+    ``default_worker.py`` that MLflow reads from the worker's ``sys.argv``."""
+    return f"rayfed-proto tune {ctx.source}".strip() if ctx.source else f"rayfed-proto tune ({ctx.sweep_name})"
+
+
+def trial_context_env(ctx: TrialContext) -> dict[str, str]:
+    """Environment of a trial's process: MLflow's ``MLFLOW_RUN_CONTEXT`` (tags MLflow's own context
+    resolution applies to the runs started there, over its defaults: the Source) and no printed
+    "View run" links (the sweep's server is temporary; the sweep prints a lasting link)."""
+    return {"MLFLOW_RUN_CONTEXT": json.dumps({"mlflow.source.name": trial_source(ctx), "mlflow.source.type": "LOCAL"}),
+            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+
+
+def trial_run_tags(ctx: TrialContext) -> dict[str, str]:
+    """Tags set on a trial's run once it runs: ``tracking.tracking_uri`` names the store (the
+    temporary server's URL is dead once the sweep ends), the server is ``tracking.server_uri``."""
+    if ctx.store_uri is None or ctx.store_uri == ctx.tracking_uri:
+        return {}
+    return {"tracking.tracking_uri": ctx.store_uri, "tracking.server_uri": str(ctx.tracking_uri)}
 
 
 def absolute_paths(raw: dict[str, Any], cwd: Path) -> None:
@@ -127,10 +150,7 @@ def make_trainable(ctx: TrialContext):
         from rayfed_proto.runtime.driver import run_experiment
 
         trial_id = tune.get_context().get_trial_id()
-        if ctx.tracking_uri and is_loopback_uri(ctx.tracking_uri):
-            # the sweep's own server lives as long as the sweep: no MLflow "View run at http://127.0.0.1:<port>"
-            # links that are dead once it ends (the sweep prints links through `rayfed-proto ui` instead)
-            os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+        os.environ.update(trial_context_env(ctx))  # the trial's own process (Ray's worker): its Source, no dead links
         method = trial_config(ctx, config, trial_id=trial_id)[0].algorithm.name  # swept or the base's
         run_name = trial_run_name(ctx.sweep_name, trial_id, config, ctx.space_keys, method)
         cfg, _ = trial_config(ctx, config, run_name=run_name, trial_id=trial_id)
@@ -152,6 +172,8 @@ def make_trainable(ctx: TrialContext):
                 run = mlflow.active_run()
                 if run is not None and not run_ids:
                     run_ids.append(run.info.run_id)
+                    if tags := trial_run_tags(ctx):
+                        mlflow.set_tags(tags)
                 report["mlflow_run_id"] = run_ids[0] if run_ids else None
             if ctx.metric not in report:  # proto_acc has no value before the first bank (version 0)
                 return

@@ -62,7 +62,7 @@ def _listening_addresses(port: int) -> list[str]:
 
 
 def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_session, tmp_path, monkeypatch,
-                                                                       empty_mlflow_store):
+                                                                       empty_mlflow_store, capsys):
     # the sweep's server opens a store with its tables made (the interrupted sweep's server, started
     # by the CLI, creates its own)
     shutil.copyfile(empty_mlflow_store, tmp_path / "mlflow.db")
@@ -94,7 +94,12 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
     client = MlflowClient(result.tracking_uri)
     assert result.tracking_uri.startswith("sqlite:///")
     parent = client.get_run(result.parent_run_id)
-    assert parent.info.status == "FINISHED" and parent.data.metrics["sweep/trials"] == 2
+    # issue 49: the counts are tags (one value: no one-point chart), no errors no tag; MLflow printed no links to
+    # the sweep's temporary server
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep/trials"] == "2"
+    assert not parent.data.metrics.keys() & {"sweep/trials", "sweep/trials_errored"}
+    assert "sweep/trials_errored" not in parent.data.tags
+    assert "View run" not in capsys.readouterr().out
     arts = {f.path for f in client.list_artifacts(result.parent_run_id)}
     assert {"trials.csv", "trials.txt", "best.yaml", "plots"} <= arts
     assert [f.path for f in client.list_artifacts(result.parent_run_id, "plots")] == [
@@ -116,14 +121,22 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
         assert kid.data.params["resources.client_num_cpus"] == "0.25"  # the trial's bundle shares
         # issue 26: the name leads with the swept value, then the method (a cut name still tells trials apart)
         lam = kid.data.params["algorithm.lam"]
-        assert kid.info.run_name.startswith(f"lam={float(lam):.4g} fedproto tiny-"), kid.info.run_name
+        best = kid.info.run_id == result.ranked[0]["mlflow_run_id"]  # issue 49: marked in the run list
+        assert kid.info.run_name.startswith(f"{'[best] ' if best else ''}lam={float(lam):.4g} fedproto tiny-"), \
+            kid.info.run_name
+        assert kid.data.tags.get("rayfed_proto.best_trial") == ("true" if best else None)
+        # issue 49: the Source is the command, not Ray's default_worker.py; the store, not the dead server URL
+        assert kid.data.tags["mlflow.source.name"] == "rayfed-proto tune tiny.yaml"
+        assert kid.data.tags["tracking.tracking_uri"] == result.tracking_uri
+        assert kid.data.tags["tracking.server_uri"].startswith("http://127.0.0.1:")
         # per-trial bookkeeping is tags, not params (the compare view's parallel coordinates open on lam)
         assert "tracking.output_dir" not in kid.data.params and "tracking.run_name" not in kid.data.params
         assert kid.data.tags["tracking.output_dir"]
     # the parent names and links its best child in its description
     best_id = result.ranked[0]["mlflow_run_id"]
     note = parent.data.tags["mlflow.note.content"]
-    assert f"Best child run: [{best_id}](#/experiments/{parent.info.experiment_id}/runs/{best_id})" in note
+    assert (f"Best child run: [{best_id}](#/experiments/{parent.info.experiment_id}/runs/{best_id}"
+            "?workflowType=machine_learning)") in note
     assert "```" in note and "rank  trial" in note  # a padded text table, not a markdown one (issue 38)
     assert parent.data.tags["best.run_id"] == best_id
 

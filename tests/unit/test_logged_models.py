@@ -79,7 +79,7 @@ def logged(tmp_path_factory):
         with warnings.catch_warnings(record=True) as model_warnings:
             warnings.simplefilter("always")
             ids = {"client_0": log_pytorch_model(tracker, client_model, "client_0", x, {"head_acc": 0.5, "test_samples": 2.0},
-                                                 STEP, tags={"client_id": 0}),
+                                                 STEP, split="digits/test", tags={"client_id": 0}),
                    "server": log_pytorch_model(tracker, server_model, "server", x, {"global_acc": 0.25}, STEP)}
     finally:
         mlflow_logger.removeHandler(records)
@@ -131,16 +131,22 @@ def test_logging_a_channels_last_model_warns_nothing(logged):
     assert conv.weight.is_contiguous(memory_format=torch.channels_last)  # the run's own model is left as it was
 
 
-def test_run_metrics_are_linked_to_no_model_and_each_model_has_only_its_own(logged):
+def test_models_are_outputs_at_the_final_step_with_their_figures_as_params_and_no_metric_linked(logged):
+    """Issue 49: a model was an input of its run too (step "-" on the Overview), and its accuracy a
+    one-point run chart ``model/<name>/<key>``."""
     client, run_id, ids = logged["client"], logged["run_id"], logged["ids"]
-    own = {"client_0": {"model/client_0/head_acc", "model/client_0/test_samples"}, "server": {"model/server/global_acc"}}
+    own = {"client_0": {"head_acc": "0.5", "test_samples": "2", "eval_split": "digits/test"},
+           "server": {"global_acc": "0.25"}}
     for name, model_id in ids.items():
         model = client.get_logged_model(model_id)
-        assert {m.key for m in model.metrics or []} == own[name], name
+        assert not model.metrics, name
+        assert {k: model.params[k] for k in own[name]} == own[name] and model.params["algorithm.name"] == "fedproto"
         assert model.source_run_id == run_id and model.name == name
     assert client.get_logged_model(ids["client_0"]).tags["client_id"] == "0"
     run = client.get_run(run_id)
     assert {(o.model_id, o.step) for o in run.outputs.model_outputs} == {(ids["client_0"], STEP), (ids["server"], STEP)}
+    assert not (run.inputs.model_inputs or [])  # outputs only: the Overview's "Output", at step STEP
+    assert not any(k.startswith("model/") for k in run.data.metrics)
     for key in ("eval/head_acc", "federation/wall_s", "system/cpu_utilization_percentage", "eval/head_acc_mean"):
         history = client.get_metric_history(run_id, key)
         assert history and all(m.model_id is None for m in history), key

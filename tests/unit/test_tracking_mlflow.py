@@ -334,11 +334,16 @@ def test_sweep_plot_log_axis_and_parent_description_names_the_best_child():
     ranked = [{"rank": 1, "trial": "t1", "algorithm.lam": 1.0, "eval/head_acc": 0.8, "mlflow_run_id": "abc123"},
               {"rank": 2, "trial": "t0", "algorithm.lam": 0.1, "eval/head_acc": 0.7, "mlflow_run_id": "def456"}]
     text = parent_description("sw", "eval/head_acc", "max", ranked, ["algorithm.lam"], "7")
-    assert "Best child run: [abc123](#/experiments/7/runs/abc123)" in text and "`algorithm.lam` = 1.0" in text
+    # issue 49: the links keep the model-training view (a link without workflowType opens the GenAI one)
+    assert "Best child run: [abc123](#/experiments/7/runs/abc123?workflowType=machine_learning)" in text
+    assert "`algorithm.lam` = 1.0" in text
+    assert ("[Compare the trials](#/compare-runs?runs=%5B%22abc123%22%2C%22def456%22%5D&experiments=%5B%227%22%5D"
+            "&workflowType=machine_learning)") in text
     # issue 38: the ranking is a padded text table (a markdown table ran its columns together in the UI)
     block = text.split("```")[1].strip().splitlines()
     assert block[0].split() == ["rank", "trial", "algorithm.lam", "eval/head_acc", "status", "mlflow_run_id"]
     assert block[1].split() == ["1", "t1", "1", "0.8", "-", "abc123"] and "plots/parallel_coordinates.png" in text
+    assert "Compare the trials" not in parent_description("sw", "eval/head_acc", "max", ranked[:1], ["algorithm.lam"], "7")
 
 
 def test_sweep_parallel_coordinates_plot(tmp_path):
@@ -353,16 +358,80 @@ def test_sweep_parallel_coordinates_plot(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_counters_are_logged_from_their_first_non_zero_value_on():
-    """Issue 38: reliability counters that stay 0 made flat-zero charts before train/loss."""
+def test_a_series_is_charted_once_it_moves_with_its_held_points_back_filled():
+    """Issue 49: a chart of one value says nothing. A counter is held while 0, any other series
+    while it keeps its first value; the first change logs the held points at their steps."""
+    from rayfed_proto.tracking.series_gate import SeriesGate
+
+    gate = SeriesGate()
+    failures, staleness, wall = names.RELIABILITY_CLIENT_FAILURES, names.FEDERATION_STALENESS_MAX, names.FEDERATION_WALL_S
+    first = {names.EVAL_HEAD_ACC: 0.5, failures: 0.0, staleness: 0.0, wall: 3.0, names.FEDERATION_STARTUP_S: 12.25}
+    assert gate.admit(first, 0) == ({names.EVAL_HEAD_ACC: 0.5}, [], {names.FEDERATION_STARTUP_S: "12.25"})
+    assert gate.admit({names.EVAL_HEAD_ACC: 0.5, failures: 0.0, staleness: 0.0, wall: 3.0}, 1) == (
+        {names.EVAL_HEAD_ACC: 0.5}, [], {})  # eval/ is charted even when flat; the others wait
+    now, backfill, _ = gate.admit({names.EVAL_HEAD_ACC: 0.6, failures: 1.0, staleness: 0.0, wall: 7.0}, 2)
+    assert now == {names.EVAL_HEAD_ACC: 0.6, failures: 1.0, wall: 7.0}
+    assert sorted(backfill) == [(wall, 3.0, 0), (wall, 3.0, 1), (failures, 0.0, 0), (failures, 0.0, 1)]
+    assert gate.admit({failures: 1.0, wall: 7.0}, 3)[0] == {failures: 1.0, wall: 7.0}  # moved once: charted
+    assert gate.still_held() == {staleness: 0.0}  # a sync run's staleness: never a chart (history.csv has it)
+    # a counter's baseline is 0: its first non-zero value is news, even as its first point
+    assert SeriesGate().admit({names.RELIABILITY_CLIENT_ACTOR_RESTARTS: 1.0}, 4)[0] == {
+        names.RELIABILITY_CLIENT_ACTOR_RESTARTS: 1.0}
+    assert names.TRAIN_NONFINITE_STEPS in names.COUNTERS and names.train_term("nonfinite_steps") == names.TRAIN_NONFINITE_STEPS
+    # a resumed run's charted series go on as before
+    assert SeriesGate({wall: 1.0}).admit({wall: 7.0}, 5)[0] == {wall: 7.0}
+    # the one-value figures kept as metrics: the run list sorts by them as numbers
+    assert SeriesGate().admit({names.SYSTEM_SERVER_PSS_MIB: 80.0}, 2)[0] == {names.SYSTEM_SERVER_PSS_MIB: 80.0}
+
+
+def test_system_metrics_sample_about_60_times_over_the_run_so_far_between_1_s_and_the_longest():
+    from rayfed_proto.tracking.mlflow_tracker import system_metrics_interval
+
+    assert system_metrics_interval(0.0, 10.0) == 1.0
+    assert system_metrics_interval(30.0, 10.0) == 1.0
+    assert system_metrics_interval(300.0, 10.0) == 5.0
+    assert system_metrics_interval(3600.0, 10.0) == 10.0
+    assert system_metrics_interval(3600.0, 0.5) == 0.5  # a shorter tracking.system_metrics_interval_s wins
+
+
+def test_links_carry_the_model_training_view_and_mlflow_prints_none_of_its_own(monkeypatch):
+    import os
+
+    from rayfed_proto.tracking.links import compare_url, no_mlflow_run_links, relative, run_url
+
+    assert relative(run_url("http://h:5000", "3", "r1")) == "#/experiments/3/runs/r1?workflowType=machine_learning"
+    assert compare_url("http://h:5000/", "3", ["a", "b"]) == (
+        "http://h:5000/#/compare-runs?runs=%5B%22a%22%2C%22b%22%5D&experiments=%5B%223%22%5D&workflowType=machine_learning")
+    monkeypatch.delenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", raising=False)
+    with no_mlflow_run_links():
+        from mlflow.environment_variables import MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT
+
+        assert MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT.get() is True
+    assert "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT" not in os.environ
+
+
+def test_system_metrics_sample_every_second_in_a_short_run_and_stretch_with_its_length(tmp_path, monkeypatch):
+    """Issue 49: MLflow's 10 s interval gave a short run one point per system metric (CPU at 0.00)."""
+    import time
+
+    from mlflow.tracking import MlflowClient, fluent
+
+    from rayfed_proto.config import TrackingConfig
+    from rayfed_proto.tracking import mlflow_tracker
     from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
 
-    tracker = MlflowTracker.__new__(MlflowTracker)
-    tracker.counters_moved = set()
-    first = {names.EVAL_HEAD_ACC: 0.5, names.RELIABILITY_CLIENT_FAILURES: 0.0, names.FEDERATION_UPDATES_LATE: 0.0,
-             names.FEDERATION_UPDATES_ACCEPTED: 0.0}
-    assert tracker.skip_still_zero_counters(first) == {names.EVAL_HEAD_ACC: 0.5, names.FEDERATION_UPDATES_ACCEPTED: 0.0}
-    second = {**first, names.RELIABILITY_CLIENT_FAILURES: 1.0}
-    assert names.RELIABILITY_CLIENT_FAILURES in tracker.skip_still_zero_counters(second)
-    assert tracker.skip_still_zero_counters(first)[names.RELIABILITY_CLIENT_FAILURES] == 0.0  # moved once: kept
-    assert names.FEDERATION_UPDATES_ACCEPTED not in names.COUNTERS and names.RELIABILITY_CLIENTS_NONFINITE in names.COUNTERS
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    MlflowClient(uri).create_experiment("sys", artifact_location=str(tmp_path / "a"))
+    tracker = MlflowTracker(TrackingConfig(tracking_uri=uri, experiment_name="sys", system_metrics=True))
+    tracker.start({})
+    tracker.log_metrics({names.EVAL_HEAD_ACC: 0.1}, step=0)
+    monitor = fluent.run_id_to_system_metrics_monitor[tracker.run_id]
+    assert monitor.sampling_interval == 1.0 and monitor.samples_before_logging == 1
+    time.sleep(2.6)
+    started = tracker._system_started
+    monkeypatch.setattr(mlflow_tracker, "_clock", lambda: started + 300.0)  # five minutes into the run
+    tracker.log_metrics({names.EVAL_HEAD_ACC: 0.2}, step=1)
+    assert monitor.sampling_interval == pytest.approx(5.0)
+    tracker.end()
+    history = MlflowClient(uri).get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")
+    assert len({m.step for m in history}) >= 2

@@ -474,3 +474,40 @@ def test_a_driver_pinned_to_a_cpu_less_head_is_refused_with_the_fix():
     plan = trial_overrides(_trial_cfg(num_clients=4), TrialResources(driver_cpus=0), 0.5, driver_pin={"node:10.0.0.1": 0.001})
     assert plan.bundles[0] == {"node:10.0.0.1": 0.001}
     assert check_fits_cluster(plan, [head, worker], {"CPU": 8.0, "GPU": 1.0}) == []
+
+
+def test_a_trials_source_is_the_command_and_its_tracking_uri_tag_the_store():
+    """Issue 49: the trials' Source was Ray's default_worker.py, their tracking.tracking_uri the
+    sweep's temporary server (dead once the sweep ends), and MLflow printed links to it."""
+    import json
+
+    from rayfed_proto.tuning.trainable import TrialContext, trial_context_env, trial_run_tags
+
+    ctx = TrialContext(sweep_name="s", base_raw=BASE, space_keys=[], trial_resources={}, gpus_per_trial=0.0,
+                       metric="eval/head_acc", tracking_uri="http://127.0.0.1:5123", parent_run_id="p",
+                       output_dir="/o", store_uri="sqlite:////tmp/x/mlflow.db", source="sweeps/lam.yaml")
+    env = trial_context_env(ctx)
+    assert json.loads(env["MLFLOW_RUN_CONTEXT"])["mlflow.source.name"] == "rayfed-proto tune sweeps/lam.yaml"
+    assert env["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
+    assert trial_run_tags(ctx) == {"tracking.tracking_uri": "sqlite:////tmp/x/mlflow.db",
+                                   "tracking.server_uri": "http://127.0.0.1:5123"}
+    remote = TrialContext(**{**ctx.__dict__, "tracking_uri": "https://mlflow.example", "store_uri": "https://mlflow.example"})
+    assert trial_run_tags(remote) == {}  # a lasting server: the config's URI is the store
+
+
+def test_the_best_trial_is_marked_in_the_run_list_and_a_former_best_unmarked(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from rayfed_proto.tuning.sweep import BEST_TAG, _mark_best_trial, best_trial_name
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("e", artifact_location=str(tmp_path / "a"))
+    parent = client.create_run(exp, run_name="sw").info.run_id
+    kids = [client.create_run(exp, run_name=f"lam={v} fedsa sw-{v}", tags={"mlflow.parentRunId": parent}).info.run_id
+            for v in (1, 2)]
+    _mark_best_trial(client, parent, kids[0], "eval/head_acc")
+    assert client.get_run(kids[0]).info.run_name == "[best] lam=1 fedsa sw-1" == best_trial_name("[best] lam=1 fedsa sw-1")
+    assert client.get_run(kids[0]).data.tags[BEST_TAG] == "true"
+    _mark_best_trial(client, parent, kids[1], "eval/head_acc")  # a resumed sweep found a better one
+    assert [client.get_run(k).info.run_name for k in kids] == ["lam=1 fedsa sw-1", "[best] lam=2 fedsa sw-2"]
+    assert BEST_TAG not in client.get_run(kids[0]).data.tags
