@@ -220,6 +220,10 @@ class ModelConfig(_Section):
 class TrainingConfig(_Section):
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
+    trailing_batch: Literal["fold", "drop"] = Field(
+        "fold", description="an epoch's incomplete last batch: fold = joins the previous batch (batches of batch_size "
+        "to 2 x batch_size - 1); drop = dropped, as HtFLlib's drop_last=True (every batch holds batch_size samples; "
+        "a client with fewer samples than one batch trains on one batch of all it has)")
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)

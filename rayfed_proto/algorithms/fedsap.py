@@ -375,7 +375,8 @@ class FedSAPClient(ClientAlgorithm):
             return super().local_train(model, optimizer, batches, epochs, device)
         lab, ux, uy, unl = self._sources(batches.x, batches.y)
         gen = batches.generator
-        labelled = TrainBatchIterator(batches.x[lab], batches.y[lab], batches.batch_size, gen, batches.augment)
+        labelled = TrainBatchIterator(batches.x[lab], batches.y[lab], batches.batch_size, gen, batches.augment,
+                                     batches.drop_last)
         bank, bank_mask = bank_tensors(self.guidance, self.spec.num_classes, device)
         allowed = self._candidates(bank_mask, batches.y[lab]) if bank.numel() else bank_mask
         active = self.in_semi_phase() and len(unl) > 0 and bool(allowed.any())

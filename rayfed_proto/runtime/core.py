@@ -169,7 +169,8 @@ class ClientRunner:
             self.algorithm.set_unlabelled_pool(*dataset.tensors(split.unlabelled_idx))
         self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
                                           torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id),
-                                          augment=batch_augment(cfg.data))  # data.augment: training batches only
+                                          augment=batch_augment(cfg.data),  # data.augment: training batches only
+                                          drop_last=cfg.training.trailing_batch == "drop")
         self.last_loss = float("nan")
         self.updates = 0  # local updates completed: names the state an evaluation asks for (``as_of``)
         # The client's own torch RNG stream (dropout and anything else drawing from torch's global
