@@ -305,11 +305,15 @@ class ResourcesConfig(_Section):
     park_dir: Optional[str] = Field(
         None, min_length=1, description="park_to=disk: local folder on every worker node for the parked states "
         "(a subfolder per worker, removed when it ends); None: the node's temp folder")
-    batch_clients: Literal["auto", "on", "off"] = Field(
+    batch_clients: Literal["auto", "on", "lanes", "off"] = Field(
         "off", description="on: clients of one architecture hosted by one worker and dispatched together (a sync "
         "round) step as one vmapped model, when their method allows it (rayfed-proto list); results equal the "
-        "one-after-another ones within float tolerance, not bit for bit. auto: on for workers on an accelerator, "
-        "off on the CPU (slower there, docs/benchmarks.md). off: one client after another")
+        "one-after-another ones within float tolerance, not bit for bit. lanes: the same clients queue for "
+        "resources.lanes rows of the vmapped model (continuous batching: a client that finishes its update leaves "
+        "its lane to the next). auto: on for workers on an accelerator, off on the CPU (slower there, "
+        "docs/benchmarks.md). off: one client after another")
+    lanes: int = Field(8, ge=1, description="batch_clients=lanes: clients of one architecture stepping at once on a "
+                       "worker (the rows of the vmapped model); more clients wait for a free lane")
     client_num_cpus: Union[Auto, float] = "auto"
     client_num_gpus: Union[Auto, float] = "auto"
     server_num_cpus: Union[Auto, float] = "auto"

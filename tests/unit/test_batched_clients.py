@@ -276,7 +276,7 @@ def test_batch_clients_reads_off_and_on_from_yaml_and_names_the_allowed_values()
     assert build_config({}, ["resources.batch_clients=off"]).resources.batch_clients == "off"  # YAML's false
     assert build_config({}, ["resources.batch_clients=on"]).resources.batch_clients == "on"  # YAML's true
     assert build_config({"resources": {"batch_clients": "auto"}}, []).resources.batch_clients == "auto"
-    with pytest.raises(ConfigError, match=r"resources.batch_clients.*'auto', 'on' or 'off'"):
+    with pytest.raises(ConfigError, match=r"resources.batch_clients.*'auto', 'on', 'lanes' or 'off'"):
         build_config({}, ["resources.batch_clients=yes please"])
 
 
