@@ -349,6 +349,8 @@ class ClientAlgorithm:
     # worker may step together as one vmapped model (``resources.batch_clients``,
     # runtime/batched.py), equal to training one after another within float tolerance.
     batchable: ClassVar[bool] = False
+    # Why not, for a method that is not batchable (``rayfed-proto list`` shows it).
+    unbatchable_reason: ClassVar[str] = ""
 
     def begin_local_train(self, model, batches: TrainBatchIterator) -> None:
         """Called once at the start of each local update, before the first step (the batched path

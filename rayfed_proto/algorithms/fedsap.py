@@ -313,6 +313,9 @@ class FedSAPClient(ClientAlgorithm):
     with ``semi_supervised``, Sec. 3.6's two-phase protocol on a hidden-label part of the split."""
 
     options: FedSAPOptions
+    unbatchable_reason = ("its local update (semi_supervised, Sec. 3.6) calibrates thresholds (Eq. 11) and accepts "
+                          "pseudo-labels per client, and steps on labelled and unlabelled batches whose sizes and "
+                          "presence depend on the client's data: per-client control flow and shapes")
 
     def __init__(self, options, spec, client_id):
         super().__init__(options, spec, client_id)

@@ -64,7 +64,8 @@ def method_refusal(client_cls: type) -> Optional[str]:
     """Why a method's client part never steps in a batched group (None: it may), from the class
     alone (``rayfed-proto list`` shows it)."""
     if not getattr(client_cls, "batchable", False):
-        return f"{client_cls.__name__} does not declare a batchable local update"
+        reason = getattr(client_cls, "unbatchable_reason", "")
+        return f"{client_cls.__name__}: {reason}" if reason else f"{client_cls.__name__} does not declare a batchable local update"
     if client_cls.local_train is not ClientAlgorithm.local_train:
         return f"{client_cls.__name__} overrides local_train"
     return None

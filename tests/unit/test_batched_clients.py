@@ -268,6 +268,8 @@ def test_list_says_which_methods_batch(capsys):
     lines = {line.split()[0]: line for line in section.strip().splitlines()}
     assert all("batched" in lines[m] for m in BATCHED)
     assert all("one client at a time" in lines[m] for m in ("fedsa", "fedsap", "fedprotokd"))
+    # each says why (ClientAlgorithm.unbatchable_reason)
+    assert "d_local" in lines["fedsa"] and "pseudo-labels" in lines["fedsap"] and "public set" in lines["fedprotokd"]
 
 
 def test_batch_clients_reads_off_and_on_from_yaml_and_names_the_allowed_values():
