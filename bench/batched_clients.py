@@ -11,8 +11,14 @@ every client against the same empty state after one warm-up round (CUDA context,
 vmap's first trace); the figure is the median round. On a GPU the peak memory of each mode is
 reported, and, with ``--actors A``, whether it fits a 1/A share of the GPU's memory.
 
+``--lanes L`` measures a third mode in the same run, ``batch_clients: lanes`` with L lanes
+(continuous batching: the clients of an architecture queue for L rows of the batched model);
+``--trailing-batch drop`` drops each epoch's incomplete last batch (HtFLlib's ``drop_last``), so
+every step has one shape.
+
     .venv/bin/python bench/batched_clients.py --device cuda --group HtFE1 --out bench/results/batched_htfe1_gpu
     .venv/bin/python bench/batched_clients.py --device cuda --group HtFE8 --out bench/results/batched_htfe8_gpu
+    .venv/bin/python bench/batched_clients.py --device cuda --group HtFE1 --lanes 8 --trailing-batch drop
     .venv/bin/python bench/batched_clients.py --device cpu --clients 4 --samples 800 --rounds 1   # a dry run
 """
 
@@ -36,6 +42,7 @@ def build(args):
             "data.partition.name=dirichlet", "data.partition.beta=0.1", "data.partition.min_samples=20",
             f"model.group={args.group}", f"algorithm.name={args.method}", "training.batch_size=10",
             "training.local_epochs=1", f"federation.num_clients={args.clients}", "federation.mode=sync",
+            f"training.trailing_batch={args.trailing_batch}", f"resources.lanes={max(args.lanes, 1)}",
             "tracking.enabled=false"]
     if args.method == "fedproto":
         sets += ["algorithm.lam=10"]
@@ -82,6 +89,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10_000)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (CPU)")
+    ap.add_argument("--lanes", type=int, default=0, help="also measure batch_clients=lanes with this many lanes (0: not)")
+    ap.add_argument("--trailing-batch", choices=["fold", "drop"], default="fold", help="training.trailing_batch")
     ap.add_argument("--actors", type=int, default=0, help="GPU: check the peak against a 1/ACTORS memory share")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json")
     args = ap.parse_args()
@@ -95,11 +104,17 @@ def main() -> None:
           f"{device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else f'{args.threads} thread(s)'})",
           flush=True)
     # "off" is the sequential single-process loop (each client's own local_train in turn); "on" batches
-    res = {mode: measure(args, cfg, ds, part, mode, device) for mode in ("off", "on")}
+    modes = ("off", "on", "lanes") if args.lanes else ("off", "on")
+    res = {mode: measure(args, cfg, ds, part, mode, device) for mode in modes}
     row = {"group": args.group, "method": args.method, "clients": args.clients, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
            "sequential_round_s": round(res["off"]["round_s"], 3), "batched_round_s": round(res["on"]["round_s"], 3),
-           "speedup": round(res["off"]["round_s"] / res["on"]["round_s"], 2), "modes": res, "args": vars(args) | {"out": str(args.out)}}
+           "speedup": round(res["off"]["round_s"] / res["on"]["round_s"], 2), "trailing_batch": args.trailing_batch,
+           "modes": res, "args": vars(args) | {"out": str(args.out)}}
+    if args.lanes:
+        row |= {"lanes": args.lanes, "lanes_round_s": round(res["lanes"]["round_s"], 3),
+                "lanes_speedup": round(res["off"]["round_s"] / res["lanes"]["round_s"], 2),
+                "lanes_vs_batched": round(res["on"]["round_s"] / res["lanes"]["round_s"], 2)}
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory / 2**20
         row["gpu_total_mib"] = round(total)
@@ -109,6 +124,9 @@ def main() -> None:
     print(json.dumps({k: v for k, v in row.items() if k not in ("modes", "args")}), flush=True)
     print(f"batched_clients: {args.group} x {args.clients}: sequential {row['sequential_round_s']} s, batched "
           f"{row['batched_round_s']} s a round: {row['speedup']}x", flush=True)
+    if args.lanes:
+        print(f"batched_clients: {args.lanes} lanes {row['lanes_round_s']} s a round: {row['lanes_speedup']}x the "
+              f"sequential loop, {row['lanes_vs_batched']}x the batched group", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".json").write_text(json.dumps(row, indent=1))

@@ -12,6 +12,12 @@
 #   env         nvidia-smi, Python / torch / ray versions, CUDA visible to torch
 #   smoke       Ray with 1 GPU: four actors on 0.25 GPU shares and one on none, each says what
 #               CUDA_VISIBLE_DEVICES and torch see and multiplies two matrices on its device
+#   lanes_htfe1, lanes_htfe8
+#               bench/batched_clients.py --device cuda --lanes 8 --trailing-batch drop (issue 46):
+#               FedProto, Dirichlet 0.1, 20 HtFE1 clients (target >= 10x the loop) and 100 HtFE8
+#               clients (12-13 per architecture, target >= 3x): the sequential loop, today's
+#               batched group (`on`) and 8 lanes (`lanes`) in one run each; lanes_htfe*.json.
+#               Alone in one call (under 8 minutes):  STEPS="env lanes_htfe1 lanes_htfe8" bash bench/gpu_check.sh
 #   layouts     the GPU test that both layouts agree (issue 36 item 2: `pytest -m gpu` on
 #               tests/integration/test_gpu_layouts.py; said and skipped where the file is absent)
 #   batched_htfe1, batched_htfe8
@@ -30,8 +36,8 @@
 # memory every 2 s), layouts.txt, batched_htfe1.json, batched_htfe8.json, gpu_share.json/.md,
 # round_time.json/.md, default_run.tgz.
 #
-# Knobs (environment): STEPS (default "env smoke layouts batched_htfe1 batched_htfe8 tests default
-# gpu_share round_time"),
+# Knobs (environment): STEPS (default "env smoke lanes_htfe1 lanes_htfe8 layouts batched_htfe1
+# batched_htfe8 tests default gpu_share round_time"), LANES_HTFE1_ARGS, LANES_HTFE8_ARGS,
 # GPU_CHECK_BUDGET_S, PYTHON (python3), WHL (.whl), SITE (/tmp/site), GPU_CHECK_PREPEND (a path put
 # before $SITE on PYTHONPATH: local validation only), GPU_CHECK_RAY_STOP (1: `ray stop --force`
 # after each step, which ends EVERY Ray process of the machine, so a step that timed out leaves no
@@ -52,10 +58,12 @@ WHL=${WHL:-.whl}
 SITE=${SITE:-/tmp/site}
 WORK=$(mktemp -d /tmp/gpu_check.XXXXXX)
 BUDGET_S=${GPU_CHECK_BUDGET_S:-530}
-STEPS=${STEPS:-env smoke layouts batched_htfe1 batched_htfe8 tests default gpu_share round_time}
+STEPS=${STEPS:-env smoke lanes_htfe1 lanes_htfe8 layouts batched_htfe1 batched_htfe8 tests default gpu_share round_time}
 GPU_SHARE_ARGS=${GPU_SHARE_ARGS:---rounds 3 --samples 10000}
 ROUND_TIME_ARGS=${ROUND_TIME_ARGS:---rounds 4 --samples 20000}
 BATCHED_ARGS=${BATCHED_ARGS:---rounds 2 --samples 6000}
+LANES_HTFE1_ARGS=${LANES_HTFE1_ARGS:---clients 20 --rounds 2 --samples 6000}
+LANES_HTFE8_ARGS=${LANES_HTFE8_ARGS:---clients 100 --rounds 1 --samples 20000}
 RESULTS=""
 
 echo "gpu_check: $(date -u +%FT%TZ) on $(hostname), budget ${BUDGET_S}s, steps: $STEPS"
@@ -187,6 +195,12 @@ export PY OUT WORK BATCHED_ARGS
 export -f env_info smoke unit_tests default_run layouts_test
 step env 60 env_info
 step smoke 90 smoke
+# shellcheck disable=SC2086
+step lanes_htfe1 150 "$PY" bench/batched_clients.py --device cuda --group HtFE1 --lanes 8 --trailing-batch drop \
+  --actors 4 $LANES_HTFE1_ARGS --out "$OUT/lanes_htfe1"
+# shellcheck disable=SC2086
+step lanes_htfe8 300 "$PY" bench/batched_clients.py --device cuda --group HtFE8 --lanes 8 --trailing-batch drop \
+  --actors 4 $LANES_HTFE8_ARGS --out "$OUT/lanes_htfe8"
 step layouts 240 layouts_test
 # shellcheck disable=SC2086
 step batched_htfe1 90 "$PY" bench/batched_clients.py --device cuda --group HtFE1 --actors 4 $BATCHED_ARGS \

@@ -223,6 +223,10 @@ class ModelConfig(_Section):
 class TrainingConfig(_Section):
     local_epochs: int = Field(1, ge=1)
     batch_size: int = Field(10, ge=1)
+    trailing_batch: Literal["fold", "drop"] = Field(
+        "fold", description="an epoch's incomplete last batch: fold = joins the previous batch (batches of batch_size "
+        "to 2 x batch_size - 1); drop = dropped, as HtFLlib's drop_last=True (every batch holds batch_size samples; "
+        "a client with fewer samples than one batch trains on one batch of all it has)")
     optimizer: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
@@ -304,11 +308,15 @@ class ResourcesConfig(_Section):
     park_dir: Optional[str] = Field(
         None, min_length=1, description="park_to=disk: local folder on every worker node for the parked states "
         "(a subfolder per worker, removed when it ends); None: the node's temp folder")
-    batch_clients: Literal["auto", "on", "off"] = Field(
+    batch_clients: Literal["auto", "on", "lanes", "off"] = Field(
         "off", description="on: clients of one architecture hosted by one worker and dispatched together (a sync "
         "round) step as one vmapped model, when their method allows it (rayfed-proto list); results equal the "
-        "one-after-another ones within float tolerance, not bit for bit. auto: on for workers on an accelerator, "
-        "off on the CPU (slower there, docs/benchmarks.md). off: one client after another")
+        "one-after-another ones within float tolerance, not bit for bit. lanes: the same clients queue for "
+        "resources.lanes rows of the vmapped model (continuous batching: a client that finishes its update leaves "
+        "its lane to the next). auto: on for workers on an accelerator, off on the CPU (slower there, "
+        "docs/benchmarks.md). off: one client after another")
+    lanes: int = Field(8, ge=1, description="batch_clients=lanes: clients of one architecture stepping at once on a "
+                       "worker (the rows of the vmapped model); more clients wait for a free lane")
     client_num_cpus: Union[Auto, float] = "auto"
     client_num_gpus: Union[Auto, float] = "auto"
     server_num_cpus: Union[Auto, float] = "auto"

@@ -132,7 +132,8 @@ class ServerPass:
 
 def steps_per_epoch(n: int, batch_size: int) -> int:
     """Mini-batches of one epoch of :class:`TrainBatchIterator` over ``n`` samples (an incomplete
-    last batch is folded into the previous one; fewer than ``batch_size`` samples are one batch)."""
+    last batch is folded into the previous one or dropped: the same count; fewer than
+    ``batch_size`` samples are one batch either way)."""
     if n <= 0:
         return 0
     return max(1, n // batch_size)
@@ -144,13 +145,20 @@ class TrainBatchIterator:
 
     ``augment`` (``data.augment``, rayfed_proto.data.augment): applied to each batch's images,
     drawing from ``generator``, so the augmented batches are reproducible too. Only training
-    batches pass through here; evaluation and the upload's passes read the tensors as they are."""
+    batches pass through here; evaluation and the upload's passes read the tensors as they are.
+
+    ``drop_last`` (``training.trailing_batch: drop``): an incomplete last batch is dropped, as
+    HtFLlib's ``DataLoader(..., drop_last=True)`` (clientbase.py ``load_train_data``), so every
+    batch holds ``batch_size`` samples; a client with fewer samples than one batch still trains
+    on one batch of all it has (HtFLlib's client would take no step at all). Otherwise
+    (``fold``) that batch joins the previous one."""
 
     x: torch.Tensor
     y: torch.Tensor
     batch_size: int
     generator: torch.Generator
     augment: Optional[Callable[[torch.Tensor, torch.Generator], torch.Tensor]] = None
+    drop_last: bool = False
 
     def epoch(self):
         order = torch.randperm(len(self.y), generator=self.generator)
@@ -163,7 +171,8 @@ class TrainBatchIterator:
             # largest BatchNorm weight from 1.2 to 330, and its eval-mode features overflowed to inf.
             # HtFLlib drops that batch instead (clientbase.py load_train_data, drop_last=True).
             last = chunks.pop()
-            chunks[-1] = torch.cat([chunks[-1], last])
+            if not self.drop_last:
+                chunks[-1] = torch.cat([chunks[-1], last])
         for idx in chunks:
             xb = self.x[idx]
             yield (xb if self.augment is None else self.augment(xb, self.generator)), self.y[idx]
@@ -340,6 +349,8 @@ class ClientAlgorithm:
     # worker may step together as one vmapped model (``resources.batch_clients``,
     # runtime/batched.py), equal to training one after another within float tolerance.
     batchable: ClassVar[bool] = False
+    # Why not, for a method that is not batchable (``rayfed-proto list`` shows it).
+    unbatchable_reason: ClassVar[str] = ""
 
     def begin_local_train(self, model, batches: TrainBatchIterator) -> None:
         """Called once at the start of each local update, before the first step (the batched path

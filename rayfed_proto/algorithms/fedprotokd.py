@@ -304,6 +304,9 @@ def _index_batches(n: int, batch_size: int, generator: torch.Generator):
 
 class FedProtoKDClient(ClientAlgorithm):
     options: FedProtoKDOptions
+    unbatchable_reason = ("its local update adds distillation epochs on the public set against the server's logits "
+                          "(Eq. 13-14) before or after the private epochs: a second loss over other batches, outside "
+                          "the one loss a lane steps")
 
     def __init__(self, options, spec, client_id):
         super().__init__(options, spec, client_id)

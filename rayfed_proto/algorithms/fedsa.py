@@ -260,6 +260,8 @@ class FedSAClient(ClientAlgorithm):
     options: FedSAOptions
     # not batchable: Eq. 7's margin reads this client's own last upload (d_local), not only the broadcast
     batchable = False
+    unbatchable_reason = ("Eq. 7's margin m = max(d_global, d_local) reads the client's own last upload "
+                          "(d_local), not only the broadcast: one client's loss cannot stand for another's")
 
     def __init__(self, options, spec, client_id):
         super().__init__(options, spec, client_id)

@@ -313,6 +313,9 @@ class FedSAPClient(ClientAlgorithm):
     with ``semi_supervised``, Sec. 3.6's two-phase protocol on a hidden-label part of the split."""
 
     options: FedSAPOptions
+    unbatchable_reason = ("its local update (semi_supervised, Sec. 3.6) calibrates thresholds (Eq. 11) and accepts "
+                          "pseudo-labels per client, and steps on labelled and unlabelled batches whose sizes and "
+                          "presence depend on the client's data: per-client control flow and shapes")
 
     def __init__(self, options, spec, client_id):
         super().__init__(options, spec, client_id)
@@ -375,7 +378,8 @@ class FedSAPClient(ClientAlgorithm):
             return super().local_train(model, optimizer, batches, epochs, device)
         lab, ux, uy, unl = self._sources(batches.x, batches.y)
         gen = batches.generator
-        labelled = TrainBatchIterator(batches.x[lab], batches.y[lab], batches.batch_size, gen, batches.augment)
+        labelled = TrainBatchIterator(batches.x[lab], batches.y[lab], batches.batch_size, gen, batches.augment,
+                                     batches.drop_last)
         bank, bank_mask = bank_tensors(self.guidance, self.spec.num_classes, device)
         allowed = self._candidates(bank_mask, batches.y[lab]) if bank.numel() else bank_mask
         active = self.in_semi_phase() and len(unl) > 0 and bool(allowed.any())

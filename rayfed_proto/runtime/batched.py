@@ -10,9 +10,11 @@ keeps everything it has when it trains alone:
 * its parameters, BatchNorm running statistics (stacked buffers, updated in place by the
   vmapped forward) and optimizer state (momentum, Adam moments and step count), per slice;
 * its data order: each client's batches come from its own seeded iterator, epoch after epoch,
-  exactly as its own loop draws them. A client with fewer batches drops out of the stack when
-  its update ends; batches of another size (a trailing partial batch, or one with a single
-  sample folded in) step as a group of their own at the same step index;
+  exactly as its own loop draws them. The stack has a row (a lane) per client, or with
+  ``resources.batch_clients: lanes`` fewer lanes that the clients queue for: a client whose
+  update ends leaves its lane (its state written back) and the next one is loaded into it
+  (:class:`BatchedUpdate`). Batches of another size (a folded trailing batch, or a client with
+  fewer samples than a batch) step as a group of their own at the same step index;
 * its guarded step (:func:`~rayfed_proto.algorithms.base.guarded_step`): the gradient norm (of
   the client's whole flat gradient, guarded_step's norm of per-tensor norms within rounding),
   the skip of a non-finite step and the ``max_grad_norm`` clipping are per client, and none of
@@ -27,6 +29,7 @@ reductions sum in another order), not bit for bit. Plain PyTorch: no Ray here, n
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -61,7 +64,8 @@ def method_refusal(client_cls: type) -> Optional[str]:
     """Why a method's client part never steps in a batched group (None: it may), from the class
     alone (``rayfed-proto list`` shows it)."""
     if not getattr(client_cls, "batchable", False):
-        return f"{client_cls.__name__} does not declare a batchable local update"
+        reason = getattr(client_cls, "unbatchable_reason", "")
+        return f"{client_cls.__name__}: {reason}" if reason else f"{client_cls.__name__} does not declare a batchable local update"
     if client_cls.local_train is not ClientAlgorithm.local_train:
         return f"{client_cls.__name__} overrides local_train"
     return None
@@ -129,6 +133,12 @@ class FlatStack:
         """Client ``i``'s named tensors (views of the stack)."""
         return self.unflatten(tuple(f[i] for f in self.flat))
 
+    @torch.no_grad()
+    def load(self, i: int, named: dict[str, torch.Tensor]) -> None:
+        """Row ``i`` set to one client's tensors (a client entering lane ``i``)."""
+        for part, f in zip(self.layout, self.flat, strict=True):
+            f[i].copy_(torch.cat([named[k].detach().reshape(-1) for k, _ in part]))
+
 
 class BufferStack:
     """Named buffers of every client as one 1-d tensor per dtype, laid out tensor by tensor, each
@@ -160,6 +170,12 @@ class BufferStack:
     def client(self, i: int) -> dict[str, torch.Tensor]:
         """Client ``i``'s named buffers (views of the stack)."""
         return {k: v[i] for k, v in self.views(self.flat, self.n).items()}
+
+    @torch.no_grad()
+    def load(self, i: int, named: dict[str, torch.Tensor]) -> None:
+        """Client ``i``'s buffers set to ``named`` (a client entering lane ``i``)."""
+        for k, v in self.views(self.flat, self.n).items():
+            v[i].copy_(named[k])
 
     def _element_index(self, ids: tuple[int, ...], idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Where each element of the gathered layout for clients ``idx`` sits in the stack: a few ops
@@ -212,8 +228,7 @@ class StackedOptimizer:
         self._zero = torch.zeros((), dtype=torch.float32, device=device)  # torch.where's other value (a Python 0.0 costs an op a call)
         # float64 for the step counts and bias corrections, as the Python floats of LeanAdam (not on MPS)
         self.count_dtype = torch.float32 if device.type == "mps" else torch.float64
-        per_client = [dict(zip(names, m.optimizer.param_groups[0]["params"], strict=True)) for m in members]
-        states = [{k: m.optimizer.state.get(p, {}) for k, p in ps.items()} for m, ps in zip(members, per_client, strict=True)]
+        states = [self._states(m) for m in members]
         if self.kind == _SGD:
             self.buf = self._gather(states, "momentum_buffer")
             # a client's momentum has started when its optimizer holds buffers (torch's SGD creates them
@@ -225,16 +240,42 @@ class StackedOptimizer:
             self.steps = torch.tensor([next((float(s["step"]) for s in st.values() if "step" in s), 0.0) for st in states],
                                       dtype=self.count_dtype, device=device)
 
-    def _gather(self, states: list[dict[str, dict]], key: str) -> tuple[torch.Tensor, ...]:
-        flat = []
+    def _states(self, member: Member) -> dict[str, dict]:
+        """The client's optimizer state per parameter name (empty where it has none)."""
+        params = dict(zip(self.names, member.optimizer.param_groups[0]["params"], strict=True))
+        return {k: member.optimizer.state.get(p, {}) for k, p in params.items()}
+
+    def _row(self, state: dict[str, dict], key: str) -> list[torch.Tensor]:
+        """One client's ``key`` state as flat rows, one per dtype (zeros where it has none)."""
+        rows = []
         for part, sizes, f in zip(self.stack.layout, self.stack.sizes, self.stack.flat, strict=True):
-            rows = []
-            for st in states:
-                chunks = [st[k][key].detach().to(f.device, f.dtype).reshape(-1) if st[k].get(key) is not None
-                          else f.new_zeros(size) for (k, _), size in zip(part, sizes, strict=True)]
-                rows.append(torch.cat(chunks) if chunks else f.new_zeros(0))
-            flat.append(torch.stack(rows))
-        return tuple(flat)
+            chunks = [state[k][key].detach().to(f.device, f.dtype).reshape(-1) if state[k].get(key) is not None
+                      else f.new_zeros(size) for (k, _), size in zip(part, sizes, strict=True)]
+            rows.append(torch.cat(chunks) if chunks else f.new_zeros(0))
+        return rows
+
+    def _gather(self, states: list[dict[str, dict]], key: str) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.stack(rows) for rows in zip(*(self._row(st, key) for st in states), strict=True))
+
+    @torch.no_grad()
+    def load(self, i: int, member: Member) -> None:
+        """Row ``i`` set to ``member``'s optimizer state (a client entering lane ``i``)."""
+        state = self._states(member)
+        if self.kind == _SGD:
+            for f, row in zip(self.buf, self._row(state, "momentum_buffer"), strict=True):
+                f[i].copy_(row)
+            self.has[i] = any(s.get("momentum_buffer") is not None for s in state.values())
+        else:
+            for flat, key in ((self.exp_avg, "exp_avg"), (self.exp_avg_sq, "exp_avg_sq")):
+                for f, row in zip(flat, self._row(state, key), strict=True):
+                    f[i].copy_(row)
+            self.steps[i] = next((float(s["step"]) for s in state.values() if "step" in s), 0.0)
+
+    def snapshot(self, i: int) -> tuple:
+        """Row ``i``'s state as device copies (its client's update has ended; no host read)."""
+        if self.kind == _SGD:
+            return self.has[i].clone(), (tuple(f[i].clone() for f in self.buf),)
+        return self.steps[i].clone(), (tuple(f[i].clone() for f in self.exp_avg), tuple(f[i].clone() for f in self.exp_avg_sq))
 
     @torch.no_grad()
     def step(self, params: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], idx: torch.Tensor,
@@ -311,25 +352,21 @@ class StackedOptimizer:
         self._store(self.exp_avg_sq[j], torch.where(ok, v, v_old), idx, whole)
         self._apply(j, p, m.div(denom), neg_step_size, idx, whole, ok)
 
-    def write_back(self, members: list[Member]) -> None:
-        """Each client's optimizer state as its own optimizer would hold it (absent where it never stepped)."""
-        if self.kind == _SGD:
-            if self.group["momentum"] == 0:
-                return
-            has, state = self.has.tolist(), self.buf
-        else:
-            has, state = self.steps.tolist(), (self.exp_avg, self.exp_avg_sq)
-        for i, m in enumerate(members):
+    def write_back(self, members: list[Member], snapshots: list[tuple]) -> None:
+        """Each client's optimizer state (its :meth:`snapshot`) as its own optimizer would hold it
+        (absent where it never stepped); one host read for all of them."""
+        if self.kind == _SGD and self.group["momentum"] == 0:
+            return
+        has = torch.stack([s[0] for s in snapshots]).tolist()
+        for i, (m, (_, rows)) in enumerate(zip(members, snapshots, strict=True)):
             if not has[i]:
                 continue
             if self.kind == _SGD:
-                views = [(k, {"momentum_buffer": v}) for k, v in self.stack.unflatten(tuple(f[i] for f in state)).items()]
+                views = {k: {"momentum_buffer": v} for k, v in self.stack.unflatten(rows[0]).items()}
             else:
-                avg = self.stack.unflatten(tuple(f[i] for f in state[0]))
-                avg_sq = self.stack.unflatten(tuple(f[i] for f in state[1]))
-                views = [(k, {"step": torch.tensor(has[i], dtype=torch.float32), "exp_avg": avg[k],
-                              "exp_avg_sq": avg_sq[k]}) for k in avg]
-            views = dict(views)
+                avg, avg_sq = self.stack.unflatten(rows[0]), self.stack.unflatten(rows[1])
+                views = {k: {"step": torch.tensor(has[i], dtype=torch.float32), "exp_avg": avg[k],
+                             "exp_avg_sq": avg_sq[k]} for k in avg}
             for name, p in zip(self.names, m.optimizer.param_groups[0]["params"], strict=True):
                 m.optimizer.state[p] = {k: v if k == "step" else torch.empty_like(p).copy_(v)
                                         for k, v in views[name].items()}
@@ -354,31 +391,36 @@ class StackedTally:
         counts = torch.stack([applied, ~applied], 1).to(vals.dtype)
         self.sums.index_add_(0, idx, torch.cat([vals, counts], 1))
 
-    def results(self) -> list[dict[str, float]]:
+    def snapshot(self, i: int) -> Optional[torch.Tensor]:
+        """Row ``i`` (a device copy; None before any step), and the row cleared for the lane's next client."""
         if self.sums is None:
-            return [{"loss": 0.0, "nonfinite_steps": 0.0} for _ in range(self.n)]
-        out = []
-        for row in self.sums.tolist():
+            return None
+        row = self.sums[i].clone()
+        self.sums[i].zero_()
+        return row
+
+    def results(self, rows: list[Optional[torch.Tensor]]) -> tuple[list[dict[str, float]], list[int]]:
+        """Each client's terms from its :meth:`snapshot` (one host read), and its applied steps."""
+        read = torch.stack([r for r in rows if r is not None]).tolist() if any(r is not None for r in rows) else []
+        out, steps = [], []
+        for r in rows:
+            row = read.pop(0) if r is not None else [0.0, *([0.0] * len(self.keys or [])), 0.0, 0.0]
             n = int(row[-2])
             values = {"loss": row[0] / max(n, 1)}
             if n:  # as StepTally: a client with no applied step has no terms
                 values.update({k: v / n for k, v in zip(self.keys, row[1:-2], strict=True)})
             values["nonfinite_steps"] = float(row[-1])
             out.append(values)
-        return out
-
-    @property
-    def steps(self) -> list[int]:
-        return [0] * self.n if self.sums is None else [int(s) for s in self.sums[:, -2].tolist()]
+            steps.append(n)
+        return out, steps
 
 
 class StackedPrototypes:
     """:class:`~rayfed_proto.algorithms.base.TrainPrototypes` per client: class sums of the
     training passes' features over each client's applied steps."""
 
-    def __init__(self, members: list[Member], num_classes: int):
-        self.members, self.num_classes = members, num_classes
-        self.normalize = bool(getattr(members[0].model, "normalize", False))
+    def __init__(self, lanes: int, num_classes: int, normalize: bool):
+        self.lanes, self.num_classes, self.normalize = lanes, num_classes, normalize
         self.sums: Optional[torch.Tensor] = None  # (N * C, D)
         self.counts: Optional[torch.Tensor] = None  # (N * C,)
         self._zero = torch.zeros(())
@@ -389,7 +431,7 @@ class StackedPrototypes:
             feats = torch.nn.functional.normalize(feats, dim=-1)  # what ProtoModel.features returns
         feats = feats.float()
         if self.sums is None:
-            n = len(self.members) * self.num_classes
+            n = self.lanes * self.num_classes
             self.sums = torch.zeros(n, feats.shape[-1], device=feats.device)
             self.counts = torch.zeros(n, device=feats.device)
             self._zero = self._zero.to(feats.device)
@@ -398,15 +440,23 @@ class StackedPrototypes:
         self.sums.index_add_(0, rows, torch.where(keep[:, None], feats.reshape(-1, feats.shape[-1]), self._zero))
         self.counts.index_add_(0, rows, keep.float())
 
-    def hand_over(self, steps: list[int]) -> None:
-        """Each client's prototypes to its algorithm, as its own training passes would have
-        (none for a client with no applied step)."""
-        for i, m in enumerate(self.members):
-            protos = TrainPrototypes(m.model, self.num_classes)
-            if self.sums is not None and steps[i]:
-                c = self.num_classes
-                protos.sums, protos.counts = self.sums[i * c:(i + 1) * c], self.counts[i * c:(i + 1) * c]
-            m.algorithm.take_train_prototypes(protos.result(m.batches.y))
+    def snapshot(self, i: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Lane ``i``'s class sums and counts (device copies; None before any), cleared for its next client."""
+        if self.sums is None:
+            return None
+        rows = slice(i * self.num_classes, (i + 1) * self.num_classes)
+        out = self.sums[rows].clone(), self.counts[rows].clone()
+        self.sums[rows].zero_()
+        self.counts[rows].zero_()
+        return out
+
+    def hand_over(self, member: Member, snapshot: Optional[tuple], steps: int) -> None:
+        """A client's prototypes to its algorithm, as its own training passes would have (none for
+        a client with no applied step)."""
+        protos = TrainPrototypes(member.model, self.num_classes)
+        if snapshot is not None and steps:
+            protos.sums, protos.counts = snapshot
+        member.algorithm.take_train_prototypes(protos.result(member.batches.y))
 
 
 # ----------------------------------------------------------------------------- the batched update
@@ -436,34 +486,48 @@ def _named(members: list[Member], named: str) -> list[dict[str, torch.Tensor]]:
 
 
 class BatchedUpdate:
-    """One local update of every member, stepping together; :meth:`run` returns each client's
-    training terms, in member order, as its own ``local_train`` would.
+    """One local update of every member, in ``lanes`` rows of one stacked model; :meth:`run`
+    returns each client's training terms, in member order, as its own ``local_train`` would.
+
+    Continuous batching (``resources.batch_clients: lanes``): the members queue for the lanes, and
+    every step advances every busy lane by one batch. When a lane's client has run its local
+    epochs, its state (parameters, BatchNorm buffers, optimizer state, loss tally, prototype sums)
+    leaves the lane and the next waiting member is loaded into it, so the lanes stay full until
+    the work runs out. With as many lanes as members (``on``) nobody waits: the group steps
+    together and empties as its clients finish. Batches of another shape than the others' (a
+    folded trailing batch, ``training.trailing_batch: fold``) step as a sub-group at the same step.
 
     A group step issues the ops of one client's step (on stacked tensors) plus a fixed few: the
     parameters, buffers and optimizer state are flat stacks (:class:`FlatStack`, one tensor per
-    dtype), so gathering the stepping clients' rows, the gradient norm, clipping, the update and
-    the scatter back are one op each, whatever the number of parameter tensors; the clients'
-    row indices are built once per set of clients (not per step), and the non-finite skip is a
-    ``torch.where``: no host read in a step."""
+    dtype), so gathering the stepping lanes' rows, the gradient norm, clipping, the update and
+    the scatter back are one op each, whatever the number of parameter tensors; the lanes' row
+    indices are built once per set of lanes (not per step), and the non-finite skip is a
+    ``torch.where``: no host read in a step (nor when a client leaves its lane: its state is
+    copied on the device and read once at the end)."""
 
-    def __init__(self, members: list[Member], epochs: int, device: torch.device):
+    def __init__(self, members: list[Member], epochs: int, device: torch.device, lanes: Optional[int] = None):
         self.members, self.epochs, self.device = members, epochs, device
-        self.n = len(members)
-        lead = members[0]
+        self.n = min(lanes or len(members), len(members))  # lanes; the stacks are built from the first occupants
+        first, lead = members[:self.n], members[0]
         # the loss reads only the model, the batch and the received state (ClientAlgorithm.batchable):
         # the first client's instance computes it for all of them
         self.objective = _Objective(lead.model, lead.algorithm)
-        self.params = FlatStack(_named(members, "named_parameters"))
-        self.buffers = BufferStack(_named(members, "named_buffers"))
+        self.params = FlatStack(_named(first, "named_parameters"))
+        self.buffers = BufferStack(_named(first, "named_buffers"))
         self.names = ["model." + k for k, _ in lead.model.named_parameters()]
-        self.optimizer = StackedOptimizer(members, self.names, self.params)
+        self.optimizer = StackedOptimizer(first, self.names, self.params)
         self.max_norm = getattr(lead.optimizer, "max_grad_norm", None)
         self.tally = StackedTally(self.n, device)
         source = lead.algorithm.prototype_source()
         collect = source in ("train", "train_last_epoch") and hasattr(lead.model, "projection")
         self.last_epoch_only = source == "train_last_epoch"
         self.num_classes = lead.algorithm.spec.num_classes
-        self.protos = StackedPrototypes(members, self.num_classes) if collect else None
+        normalize = bool(getattr(lead.model, "normalize", False))
+        self.protos = StackedPrototypes(self.n, self.num_classes, normalize) if collect else None
+        self.occupant: list[Optional[int]] = [None] * self.n  # the member in each lane
+        self.streams: list[Iterator] = [iter(())] * self.n  # each lane's client's batches
+        self.waiting = deque(range(len(members)))
+        self.finished: dict[int, tuple] = {}  # member -> its state's snapshots (optimizer, tally, prototypes)
         self._recorded: list[torch.Tensor] = []
         self._indices: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
         self._step = vmap(grad_and_value(self._loss, has_aux=True))
@@ -485,28 +549,77 @@ class BatchedUpdate:
         return self._indices[ids]
 
     def run(self) -> list[dict[str, float]]:
-        for m in self.members:
-            m.algorithm.begin_local_train(m.model, m.batches)
-            m.model.train()
+        """Load the lanes, then step every busy lane, retire finished ones and refill them, until
+        no client is left."""
         hook = self.objective.model.projection.register_forward_hook(
             lambda _m, _i, out: self._recorded.append(out)) if self.protos is not None else None
         try:
-            streams = [_batches(m, self.epochs) for m in self.members]
-            active = list(range(self.n))
-            while active:
-                drawn = [(i, next(streams[i], None)) for i in active]
-                active = [i for i, b in drawn if b is not None]
-                by_size: dict[tuple, list[tuple[int, tuple]]] = {}
-                for i, b in drawn:
-                    if b is not None:
-                        by_size.setdefault(tuple(b[0].shape), []).append((i, b))
-                for group in by_size.values():
+            for lane in range(self.n):
+                self._refill(lane, load=False)  # the stacks were built from these first occupants
+            while drawn := self._draw():
+                by_shape: dict[tuple, list[tuple[int, tuple]]] = {}
+                for lane, b in drawn:
+                    by_shape.setdefault(tuple(b[0].shape), []).append((lane, b))
+                for group in by_shape.values():
                     self._step_group(group)
         finally:
             if hook is not None:
                 hook.remove()
-        self._write_back()
-        return self.tally.results()
+        return self._hand_over()
+
+    def _draw(self) -> list[tuple[int, tuple]]:
+        """Each busy lane's next batch; a lane whose client has no batch left is retired and
+        refilled (until one with a batch, or nobody, is in it)."""
+        drawn = []
+        for lane in range(self.n):
+            while self.occupant[lane] is not None:
+                batch = next(self.streams[lane], None)
+                if batch is not None:
+                    drawn.append((lane, batch))
+                    break
+                self._retire(lane)
+                self._refill(lane)
+        return drawn
+
+    def _refill(self, lane: int, load: bool = True) -> None:
+        """The next waiting member into ``lane`` (its state into the stacks unless already there)."""
+        if not self.waiting:
+            self.occupant[lane] = None
+            return
+        k = self.waiting.popleft()
+        m = self.members[k]
+        if load:
+            self.params.load(lane, _named([m], "named_parameters")[0])
+            self.buffers.load(lane, _named([m], "named_buffers")[0])
+            self.optimizer.load(lane, m)
+        m.algorithm.begin_local_train(m.model, m.batches)
+        m.model.train()
+        self.streams[lane], self.occupant[lane] = _batches(m, self.epochs), k
+
+    @torch.no_grad()
+    def _retire(self, lane: int) -> None:
+        """The lane's client has run its update: its parameters and buffers back into its model,
+        the rest kept as device copies until :meth:`_hand_over`; the lane is free."""
+        k = self.occupant[lane]
+        m = self.members[k]
+        params, buffers = self.params.client(lane), self.buffers.client(lane)
+        for name, p in m.model.named_parameters():
+            p.copy_(params["model." + name])
+        for name, b in m.model.named_buffers():
+            b.copy_(buffers["model." + name])
+        self.finished[k] = (self.optimizer.snapshot(lane), self.tally.snapshot(lane),
+                            self.protos.snapshot(lane) if self.protos is not None else None)
+        self.occupant[lane] = None
+
+    def _hand_over(self) -> list[dict[str, float]]:
+        """Every client's optimizer state, terms and prototypes, in member order (the host reads)."""
+        done = [self.finished[k] for k in range(len(self.members))]
+        self.optimizer.write_back(self.members, [d[0] for d in done])
+        terms, steps = self.tally.results([d[1] for d in done])
+        if self.protos is not None:
+            for m, d, n in zip(self.members, done, steps, strict=True):
+                self.protos.hand_over(m, d[2], n)
+        return terms
 
     def _step_group(self, group: list[tuple[int, tuple]]) -> None:
         """One step of the clients in ``group`` (their batches have one size), as each one's
@@ -544,21 +657,10 @@ class BatchedUpdate:
                     record = applied & torch.tensor(last).to(applied.device, non_blocking=True)
             self.protos.add(first_rows, record, feats, y)
 
-    @torch.no_grad()
-    def _write_back(self) -> None:
-        """The stacked state back into each client's model, optimizer and algorithm."""
-        for i, m in enumerate(self.members):
-            params, buffers = self.params.client(i), self.buffers.client(i)
-            for k, p in m.model.named_parameters():
-                p.copy_(params["model." + k])
-            for k, b in m.model.named_buffers():
-                b.copy_(buffers["model." + k])
-        self.optimizer.write_back(self.members)
-        if self.protos is not None:
-            self.protos.hand_over(self.tally.steps)
 
-
-def train_together(members: list[Member], epochs: int, device: torch.device) -> list[dict[str, float]]:
+def train_together(members: list[Member], epochs: int, device: torch.device,
+                   lanes: Optional[int] = None) -> list[dict[str, float]]:
     """Local updates of ``members`` (one architecture, one received state, see :func:`group_key`)
-    as one batched model; each client's terms, as its own ``local_train`` returns them."""
-    return BatchedUpdate(members, epochs, device).run()
+    as one batched model of ``lanes`` rows (None: one per member); each client's terms, as its own
+    ``local_train`` returns them."""
+    return BatchedUpdate(members, epochs, device, lanes).run()

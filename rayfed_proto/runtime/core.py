@@ -169,7 +169,8 @@ class ClientRunner:
             self.algorithm.set_unlabelled_pool(*dataset.tensors(split.unlabelled_idx))
         self.batches = TrainBatchIterator(self.train_x, self.train_y, cfg.training.batch_size,
                                           torch.Generator().manual_seed(cfg.seed * 7919 + split.client_id),
-                                          augment=batch_augment(cfg.data))  # data.augment: training batches only
+                                          augment=batch_augment(cfg.data),  # data.augment: training batches only
+                                          drop_last=cfg.training.trailing_batch == "drop")
         self.last_loss = float("nan")
         self.updates = 0  # local updates completed: names the state an evaluation asks for (``as_of``)
         # The client's own torch RNG stream (dropout and anything else drawing from torch's global
@@ -573,17 +574,19 @@ class ClientHost:
 
 def batches_on(batch_clients: str, device: torch.device) -> bool:
     """Whether ``resources.batch_clients`` steps a worker's clients as one batched model on
-    ``device``: ``on`` everywhere, ``auto`` on accelerators only. On the CPU the vmapped update is
+    ``device``: ``on`` and ``lanes`` everywhere, ``auto`` on accelerators only. On the CPU the vmapped update is
     slower than one client after another (grouped NCHW convolutions and pools against per-client
     channels_last ones, docs/benchmarks.md "Batched clients"); on a GPU, where a batch-10 step is
     launch-bound, one launch for all clients is the point."""
-    return batch_clients == "on" or (batch_clients == "auto" and device.type != "cpu")
+    return batch_clients in ("on", "lanes") or (batch_clients == "auto" and device.type != "cpu")
 
 
 def train_batched(runners: list[ClientRunner], state: GlobalState) -> list[tuple[dict[str, Any], ClientUpdate]]:
     """Local updates of ``runners`` (one batched group, :meth:`ClientHost.train_group`) against
-    ``state`` as one vmapped model (:mod:`rayfed_proto.runtime.batched`); each result is what its
-    :meth:`ClientRunner.train` returns, within float tolerance. ``busy_s``: the group's time
+    ``state`` as one vmapped model (:mod:`rayfed_proto.runtime.batched`): with ``batch_clients:
+    lanes``, ``resources.lanes`` rows that the clients queue for (continuous batching), otherwise
+    one row per client; each result is what its :meth:`ClientRunner.train` returns, within float
+    tolerance. ``busy_s``: the group's time
     shared equally among its clients."""
     t0 = time.perf_counter()
     for r in runners:
@@ -591,7 +594,9 @@ def train_batched(runners: list[ClientRunner], state: GlobalState) -> list[tuple
             r.begin_update(state)
     lead = runners[0]
     members = [batched.Member(r.algorithm, r.model, r.optimizer, r.batches) for r in runners]
-    terms = batched.train_together(members, lead.cfg.training.local_epochs, lead.device)
+    res = lead.cfg.resources
+    lanes = res.lanes if res.batch_clients == "lanes" else None
+    terms = batched.train_together(members, lead.cfg.training.local_epochs, lead.device, lanes)
     updates = []
     for r in runners:
         with r.own_rng():

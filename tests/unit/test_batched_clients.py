@@ -268,6 +268,8 @@ def test_list_says_which_methods_batch(capsys):
     lines = {line.split()[0]: line for line in section.strip().splitlines()}
     assert all("batched" in lines[m] for m in BATCHED)
     assert all("one client at a time" in lines[m] for m in ("fedsa", "fedsap", "fedprotokd"))
+    # each says why (ClientAlgorithm.unbatchable_reason)
+    assert "d_local" in lines["fedsa"] and "pseudo-labels" in lines["fedsap"] and "public set" in lines["fedprotokd"]
 
 
 def test_batch_clients_reads_off_and_on_from_yaml_and_names_the_allowed_values():
@@ -276,7 +278,7 @@ def test_batch_clients_reads_off_and_on_from_yaml_and_names_the_allowed_values()
     assert build_config({}, ["resources.batch_clients=off"]).resources.batch_clients == "off"  # YAML's false
     assert build_config({}, ["resources.batch_clients=on"]).resources.batch_clients == "on"  # YAML's true
     assert build_config({"resources": {"batch_clients": "auto"}}, []).resources.batch_clients == "auto"
-    with pytest.raises(ConfigError, match=r"resources.batch_clients.*'auto', 'on' or 'off'"):
+    with pytest.raises(ConfigError, match=r"resources.batch_clients.*'auto', 'on', 'lanes' or 'off'"):
         build_config({}, ["resources.batch_clients=yes please"])
 
 
