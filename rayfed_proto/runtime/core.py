@@ -867,7 +867,9 @@ class ServerCore:
         return {"version": self.version, "algorithm": self.algorithm.state_dict(),
                 "buffer": [(u, w) for u, w in self.buffer],
                 "counters": {"accepted": c.accepted, "refused": c.refused, "dropped_stale": c.dropped_stale,
-                             "late": c.late, "server_train_s": c.server_train_s, "rolled_back": c.rolled_back},
+                             "late": c.late, "server_train_s": c.server_train_s, "rolled_back": c.rolled_back,
+                             # the window since the last read: a stop between evaluated versions keeps it
+                             "staleness": list(c.staleness)},
                 "margins": {int(v): m for v, m in self.margins.items()},
                 "version_metrics": {int(v): dict(m) for v, m in self.version_metrics.items()}}
 
