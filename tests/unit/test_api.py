@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rayfed_proto.cli import main
-from rayfed_proto.config import ConfigError, InputError
+from rayfed_proto.config import ConfigError, InputError, load_config
+from rayfed_proto.preset_files import resolve_config_arg
 
 
 def test_import_rayfed_proto_keeps_ray_torch_mlflow_and_pandas_out():
@@ -169,6 +170,26 @@ def test_cli_seeds_refusals_exit_2_before_ray(tmp_path, capsys):
     assert code == 2 and "--seeds = [1]: omit it with --resume of a single run" in err
     assert ray.is_initialized() == ray_before
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_seed_above_2_32_is_refused_before_the_group_folder_or_parent_run_exist(tmp_path, capsys, monkeypatch):
+    """Issue 45 item 2: every seed is checked first, whichever place it has in --seeds."""
+    from rayfed_proto.runtime import seeds as seed_groups
+
+    monkeypatch.chdir(tmp_path)
+    track = ["--set", f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}", "--set", f"tracking.output_dir={tmp_path / 'runs'}"]
+    for seeds in (["4294967296", "1"], ["0", "4294967296"]):
+        code, err = _cli(["run", "fedsa_digits", *track, "--seeds", *seeds], capsys)
+        assert code == 2 and "--seeds = 4294967296: one or more distinct integers from 0 to 2**32 - 1" in err, err
+    cfg = load_config(resolve_config_arg("fedsa_digits"), [track[1], track[3]])
+    with pytest.raises(ConfigError, match="4294967296"):
+        seed_groups.run_seeds(cfg, [0, 2**32])
+    ran = []
+    monkeypatch.setattr(seed_groups, "check_seeds", lambda seeds: list(seeds))  # the per-seed config check alone
+    monkeypatch.setattr("rayfed_proto.runtime.driver.run_experiment", lambda *a, **k: ran.append(a))
+    with pytest.raises(ConfigError, match="seed = 4294967296"):
+        seed_groups.run_seeds(cfg, [0, 2**32])
+    assert not ran and not (tmp_path / "runs").exists() and not (tmp_path / "m.db").exists()
 
 
 # ------------------------------------------------------------------------------ a seed group, driver faked
