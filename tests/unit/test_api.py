@@ -130,6 +130,25 @@ def test_ui_prints_the_experiments_runs_link_in_the_model_training_view(tmp_path
     assert "no experiment 'nope'" in capsys.readouterr().err
 
 
+def test_ui_on_a_port_in_use_exits_2_at_once_naming_the_port(tmp_path, capsys, monkeypatch):
+    """Issue 45 item 3: no ``mlflow ui`` started to fail after seconds and exit 0."""
+    import socket
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    MlflowClient(uri).search_experiments()  # the store exists
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("mlflow ui started on a port in use"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["ui", "--tracking-uri", uri, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve the MLflow UI on 127.0.0.1:{port}" in err and f"--port {port + 1}" in err, err
+
+
 def test_sweep_names_and_relative_paths_are_found_from_any_folder(tmp_path, monkeypatch):
     import rayfed_proto
     from rayfed_proto.cli import resolve_sweep_arg
