@@ -559,7 +559,8 @@ class Scheduler:
 
     def snapshot_client_actor(self, actor: int) -> tuple:
         """(worker ``actor``'s client states, fetched in chunks as the checkpoint writes them, its RNG)."""
-        clients, rng = ray.get(self.actors[actor].snapshot.remote())
+        keep_from = {c: self.evals.keep_from(c) for c in self.actor_clients[actor]}  # kept states none can ask for: dropped
+        clients, rng = ray.get(self.actors[actor].snapshot.remote(keep_from))
         return RemoteStates(self.actors[actor], clients, actor), rng
 
     def write_checkpoint(self, server_snap: Any, actor_snaps: list) -> bool:
