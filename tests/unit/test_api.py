@@ -50,7 +50,7 @@ def test_api_bad_config_names_the_key_the_value_and_what_is_allowed():
 def test_api_bad_seeds_and_resume_arguments_are_refused_before_ray():
     from rayfed_proto import run
 
-    with pytest.raises(ConfigError, match="seeds = -1: one or more distinct integers from 0 to 2\*\*32 - 1"):
+    with pytest.raises(ConfigError, match=r"seeds = -1: one or more distinct integers from 0 to 2\*\*32 - 1"):
         run("fedsa_digits", seeds=[0, -1])
     with pytest.raises(ConfigError, match=r"seeds = \[0, 0\]: .*repeated: 0"):
         run("fedsa_digits", seeds=[0, 0])
