@@ -131,6 +131,9 @@ def cmd_ui(args) -> int:
     from rayfed_proto.tracking import links
 
     uri = _ui_store(args.tracking_uri)
+    serve = not (links.is_server(uri) or args.no_serve)
+    if serve:
+        _check_port_free(args.host, args.port)
     experiment = links.find_experiment(uri, args.experiment)
     if args.experiment and experiment is None:
         raise InputError(f"no experiment {args.experiment!r} in {uri}; omit --experiment for the latest one, or pass "
@@ -141,7 +144,7 @@ def cmd_ui(args) -> int:
     print(f"MLflow UI, {what}: {link}")
     print("(links carry ?workflowType=machine_learning; elsewhere, the sidebar switch 'Model training' keeps the "
           "UI on runs for this browser)", flush=True)
-    if links.is_server(uri) or args.no_serve:
+    if not serve:
         if args.open:
             _open_browser(link)
         return 0
@@ -161,6 +164,26 @@ def cmd_ui(args) -> int:
         proc.terminate()
         proc.wait(timeout=15)
         return 130
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse at once (an InputError naming the port) when ``host:port`` is taken, rather than
+    start ``mlflow ui``, which says "Address already in use" after seconds and exits 0. The probe
+    binds as the server does (SO_REUSEADDR: a port held only by closed connections is free)."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError):  # a host this machine cannot resolve: mlflow says so
+        return
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise InputError(f"cannot serve the MLflow UI on {host}:{port}: {e.strerror or e} (another server, perhaps "
+                             f"an earlier rayfed-proto ui, holds port {port}); pick a free one with --port, e.g. "
+                             f"--port {port + 1}, or open the UI already running there") from None
 
 
 def _ui_store(tracking_uri: Optional[str]) -> str:

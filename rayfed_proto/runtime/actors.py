@@ -138,10 +138,13 @@ class ClientActor:
         """The client's latest local update was lost: its state goes back to before it."""
         return self.host.discard(client_id)
 
-    def snapshot(self) -> tuple[list[int], torch.Tensor]:
+    def snapshot(self, keep_from: dict[int, int | None] | None = None) -> tuple[list[int], torch.Tensor]:
         """The hosted clients that have a state (for checkpoints, which fetch them in chunks with
         :meth:`client_states`: :class:`RemoteStates`) and this process's torch RNG (kept in the
-        format for older checkpoints; each client carries its own stream now)."""
+        format for older checkpoints; each client carries its own stream now); ``keep_from``: the
+        oldest state of each client an evaluation may still ask for (the others are dropped first)."""
+        if keep_from is not None:
+            self.host.drop_kept(keep_from)
         return self.host.stateful_clients(), torch.get_rng_state()
 
     def client_states(self, client_ids: list[int]) -> dict[int, dict[str, Any]]:

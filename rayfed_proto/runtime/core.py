@@ -552,8 +552,10 @@ class ClientHost:
 
     def adopt_files(self, files: dict[int, tuple[str, int, str]]) -> list[int]:
         """Park checkpointed states from their files (``client -> (path, size, sha256)``), checked
-        and not loaded (:meth:`ParkedStates.adopt`); returns the clients whose state must come as
-        bytes instead (parked in memory, not parking, the file out of reach or damaged, kept states)."""
+        and not loaded (:meth:`ParkedStates.adopt`), with the earlier states they keep for
+        evaluations (each copied from the linked file into one of its own); returns the clients
+        whose state must come as bytes instead (parked in memory, not parking, the file out of
+        reach or damaged)."""
         if not self.park:
             return sorted(files)
         left = []
@@ -565,8 +567,22 @@ class ClientHost:
             self.live.pop(c, None)
             self.kept.pop(c, None)
             if kept:
-                self.kept[c] = kept
+                self.kept[c] = {n: st if st is None else self.parked.hold(st, c) for n, st in kept.items()}
         return left
+
+    def drop_kept(self, keep_from: dict[int, Optional[int]]) -> None:
+        """Drop the kept states no evaluation can ask for any more (``keep_from``: for each client,
+        the oldest it may; None: none), before a checkpoint saves them: a state kept before a
+        client's latest update is needed only while a version formed before that update may still
+        be evaluated. So a stop's checkpoint holds kept states only for updates in simulated flight."""
+        for c, oldest in keep_from.items():
+            if c not in self.kept:
+                continue
+            kept = {} if oldest is None else {n: st for n, st in self.kept[c].items() if n >= oldest}
+            if kept:
+                self.kept[c] = kept
+            else:
+                del self.kept[c]
 
     def live_count(self) -> int:
         return len(self.live)
@@ -878,7 +894,9 @@ class ServerCore:
         return {"version": self.version, "algorithm": self.algorithm.state_dict(),
                 "buffer": [(u, w) for u, w in self.buffer],
                 "counters": {"accepted": c.accepted, "refused": c.refused, "dropped_stale": c.dropped_stale,
-                             "late": c.late, "server_train_s": c.server_train_s, "rolled_back": c.rolled_back},
+                             "late": c.late, "server_train_s": c.server_train_s, "rolled_back": c.rolled_back,
+                             # the window since the last read: a stop between evaluated versions keeps it
+                             "staleness": list(c.staleness)},
                 "margins": {int(v): m for v, m in self.margins.items()},
                 "version_metrics": {int(v): dict(m) for v, m in self.version_metrics.items()}}
 

@@ -22,7 +22,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -91,9 +91,10 @@ def _run_tracked(run: RunState, startup: StartupSignals, on_eval, on_version) ->
         startup.enter("actors starting")
         _start(run)  # server and workers built, placed and given their data
         startup.enter("restore")
-        _restore(run)  # from the checkpoint, when resuming
-        startup.enter("first version")
-        scheduler = run.scheduler = _make_scheduler(run, on_eval, on_version)
+        with _refused_unless_resumable(run):  # a resume that cannot go on leaves its run as it was
+            _restore(run)  # from the checkpoint, when resuming
+            startup.enter("first version")
+            scheduler = run.scheduler = _make_scheduler(run, on_eval, on_version)  # with the checkpoint's evaluation log
         restore_signals = signals.install_stop_handlers(scheduler)
         startup.check()  # a signal between the last safe point and the scheduler's handlers
         final_version = _loop(run)  # the event loop; a requested stop ends in RunInterrupted
@@ -127,6 +128,26 @@ def _run_tracked(run: RunState, startup: StartupSignals, on_eval, on_version) ->
         finally:  # MLflow unreachable at the end: the actors and the autoscaler request are released all the same
             _release_actors(run)
             run.store.release_cache()  # a remote checkpoint store's staging copy in the temp folder
+
+
+@contextmanager
+def _refused_unless_resumable(run: RunState):
+    """A resume whose restore or evaluation-log hand-over raises cannot go on: refused as input
+    (:class:`CheckpointError`, exit 2), so that the MLflow run ends with the status it had
+    (KILLED after a stop, never FAILED) and the folder keeps its checkpoints and history (nothing
+    is written there before the event loop). A new run's failures are failures as before."""
+    from rayfed_proto.runtime.checkpoint import CheckpointError  # here: it imports torch (see preparation.resume_point)
+
+    try:
+        yield
+    except Exception as e:
+        if run.ckpt is None or isinstance(e, CheckpointError):
+            raise
+        log.debug("the resume of %s failed before its first step", run.out, exc_info=True)
+        raise CheckpointError(
+            f"cannot resume {run.out} from its checkpoint of version {run.ckpt.version} ({type(e).__name__}: {e}); "
+            "nothing was changed: the MLflow run keeps its status and the folder its checkpoints and history. Run "
+            "with -v for the traceback, and report it with the checkpoint folder") from e
 
 
 def _release_actors(run: RunState) -> None:

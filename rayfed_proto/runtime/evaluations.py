@@ -22,6 +22,7 @@ measure exactly their version. No Ray calls here: the scheduler launches and col
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,7 +32,14 @@ import numpy as np
 
 from rayfed_proto.tracking.round_metrics import version_metrics
 
+logger = logging.getLogger("rayfed_proto")
+
 EVAL_SAMPLE_STREAM = 0xE7A1  # default_rng([seed, EVAL_SAMPLE_STREAM]): the evaluated clients' own stream
+
+
+class EvaluationLogError(RuntimeError):
+    """The evaluation log cannot name a client's state as of a version (an invariant of the
+    runtime; a resume that meets it is refused, its run left as it was)."""
 
 
 def eval_sample(eval_clients: Union[str, int, float], num_clients: int, seed: int) -> Optional[list[int]]:
@@ -109,7 +117,11 @@ class Evaluations:
             self.long.discard(c)
 
     def _state_before(self, client: int, version: float) -> int:
-        return next(n for n, at in reversed(self.log[client]) if at < version)
+        for n, at in reversed(self.log[client]):
+            if at < version:
+                return n
+        raise EvaluationLogError(f"client {client}: no state as of version {version:g} in its evaluation log "
+                                 f"{self.log[client]} (update count, version handed at)")
 
     def _oldest_asked(self) -> float:
         return self.formed_queue[0].version if self.formed_queue else self.newest + 1
@@ -123,7 +135,7 @@ class Evaluations:
 
     def _trim(self, client: int) -> None:
         log, oldest = self.log[client], self._oldest_asked()
-        keep = max(i for i, (_, at) in enumerate(log) if at < oldest)
+        keep = max((i for i, (_, at) in enumerate(log) if at < oldest), default=0)  # none before it: nothing to drop
         del log[:keep]
         if len(log) > 1:
             self.long.add(client)
@@ -138,6 +150,23 @@ class Evaluations:
     # ------------------------------------------------------------------ versions
     def due(self, version: int) -> bool:
         return version % self.eval_every == 0 or version == self.rounds
+
+    def evaluates_start(self, version: int, in_history: bool) -> bool:
+        """Whether a run starting at ``version`` evaluates it: when it is due and its history lacks
+        it (a new run's version 0). A resume never evaluates a version the uninterrupted run would
+        not: a stop at a version that is not due (Ctrl-C lands anywhere) adds no row, and its
+        checkpoint need not hold the states before it. A due one is in the history (a checkpoint
+        waits for the evaluations of every version formed) unless its evaluation was lost with
+        its workers, when the log may not name its states: lost, as in the uninterrupted run."""
+        if in_history or not self.due(version):
+            return False
+        clients = [c for c in self.log if self.sample is None or c in self.sample]
+        gaps = [c for c in clients if not any(at < version for _, at in self.log[c])]
+        if gaps:
+            logger.warning("version %d is not in the resumed run's history and the checkpoint cannot name the states of "
+                        "clients %s as of it: not evaluated (its evaluation was lost before the checkpoint)", version,
+                        gaps[:10])
+        return not gaps
 
     def formed(self, version: int, state_ref, counters: Callable[[], tuple], force: bool = False) -> None:
         """Version ``version`` exists (``counters`` reads the run's counters at it, only when due)."""
@@ -176,8 +205,16 @@ class Evaluations:
         return {"log": {c: [[n, at] for n, at in log] for c, log in self.log.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.log = {int(c): [(int(n), float(at)) for n, at in log] for c, log in state["log"].items()}
+        """A checkpoint's log, checked: every client the workers host has one, and each names the
+        state that the next version's evaluation asks for (:class:`EvaluationLogError` otherwise)."""
+        loaded = {int(c): [(int(n), float(at)) for n, at in log] for c, log in state["log"].items()}
+        missing = sorted(set(self.log) - set(loaded))
+        if missing:
+            raise EvaluationLogError(f"the checkpoint's evaluation log has no entry for clients {missing[:10]}")
+        self.log = loaded
         self.long = {c for c, log in self.log.items() if len(log) > 1}
+        for c in self.log:
+            self._state_before(c, self.newest + 1)
 
     # ------------------------------------------------------------------ results
     def result(self, version: int, results: list[dict[str, Any]]) -> None:

@@ -132,14 +132,16 @@ class ParkedStates:
     def put(self, c: int, state: dict[str, Any]) -> None:
         self._states[c] = self.hold(state, c)
 
-    def adopt(self, c: int, source: Path, size: int, sha256: str) -> Optional[dict[int, None]]:
+    def adopt(self, c: int, source: Path, size: int, sha256: str) -> Optional[dict[int, Optional[dict[str, Any]]]]:
         """Park a checkpoint's state file as it is: hard-linked into this store's folder (a copy
         where the folder is on another file system), its SHA-256 checked here, and not loaded
         (the pickle alone is read for the update count). Returns the state's entries kept for
-        evaluations (``{updates: None}``: the client's fresh start, which needs no state), or
-        None, with nothing parked, where this store is in memory, the file cannot be reached from
-        this node, is not ``size`` bytes or not ``sha256`` (the driver then reads it, checks it and
-        names the damage), or holds a kept state itself: the caller then sends the bytes."""
+        evaluations (``{updates: state}``; None for the client's fresh start, which needs no
+        state): each a dict whose tensors are mapped from the linked file, not read, for the
+        caller to hold (:meth:`hold` copies them into a file of their own). None, with nothing
+        parked, where this store is in memory, the file cannot be reached from this node, or is
+        not ``size`` bytes or not ``sha256`` (the driver then reads it, checks it and names the
+        damage): the caller then sends the bytes."""
         if self.folder is None:
             return None
         try:
@@ -160,11 +162,11 @@ class ParkedStates:
             kept = (peek.get("kept") or {}) if isinstance(peek, dict) else None
         except Exception:  # unreadable here: the driver reads it, checks it and names the problem
             kept = None
-        if kept is None or any(v is not None for v in kept.values()):
+        if kept is None or not all(v is None or isinstance(v, dict) for v in kept.values()):
             _unlink(str(dest))
             return None
         self._states[c] = OnDisk(dest, None, updates=int(peek.get("updates", 0)))
-        return {int(n): None for n in kept}
+        return {int(n): v for n, v in kept.items()}
 
     def share(self, c: int) -> State:
         """What an evaluation of the parked state reads, to keep beside the states that replace it:

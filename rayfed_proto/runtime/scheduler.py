@@ -86,7 +86,7 @@ class Limits:
     drain_timeout_s: float = 300.0
     stop_at_version: Optional[int] = None
     start_version: int = 0
-    evaluate_start: bool = True
+    evaluate_start: bool = True  # the history lacks the start version (Evaluations.evaluates_start decides)
     eval_clients: Optional[list[int]] = None  # the clients every evaluation covers (None: all)
 
     @classmethod
@@ -272,7 +272,7 @@ class Scheduler:
     def run(self) -> int:
         """Run until ``rounds`` versions exist and their evaluation is logged; returns the version.
         Raises :class:`StopRequested` after a requested stop (checkpoint written when possible)."""
-        if self.limits.evaluate_start:
+        if self.evals.evaluates_start(self.version, in_history=not self.limits.evaluate_start):
             self.evals.formed(self.version, self.global_ref, lambda: self._counters(self.version), force=True)
         try:
             self._loop()
@@ -559,7 +559,8 @@ class Scheduler:
 
     def snapshot_client_actor(self, actor: int) -> tuple:
         """(worker ``actor``'s client states, fetched in chunks as the checkpoint writes them, its RNG)."""
-        clients, rng = ray.get(self.actors[actor].snapshot.remote())
+        keep_from = {c: self.evals.keep_from(c) for c in self.actor_clients[actor]}  # kept states none can ask for: dropped
+        clients, rng = ray.get(self.actors[actor].snapshot.remote(keep_from))
         return RemoteStates(self.actors[actor], clients, actor), rng
 
     def write_checkpoint(self, server_snap: Any, actor_snaps: list) -> bool:

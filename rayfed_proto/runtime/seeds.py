@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rayfed_proto.config import (
+    SEED_MAX,
     ConfigError,
     ConfigIssue,
     ExperimentConfig,
@@ -76,8 +77,8 @@ SEEDS_FINISHED = "seeds/finished"  # the number of seeds the mean and std are ov
 
 
 def check_seeds(seeds: Any, key: str = "--seeds") -> list[int]:
-    """The seeds as a list of distinct non-negative ints, or a ConfigError naming ``key``."""
-    allowed = "one or more distinct non-negative integers (e.g. 0 1 2)"
+    """The seeds as a list of distinct ints from 0 to ``SEED_MAX``, or a ConfigError naming ``key``."""
+    allowed = f"one or more distinct integers from 0 to 2**32 - 1 = {SEED_MAX} (e.g. 0 1 2)"
     try:
         items = None if isinstance(seeds, (str, bytes, Mapping)) else list(seeds)
     except TypeError:  # not iterable
@@ -85,7 +86,7 @@ def check_seeds(seeds: Any, key: str = "--seeds") -> list[int]:
     if not items:
         raise ConfigError([ConfigIssue(key=key, value=seeds, allowed=allowed)])
     issues = [ConfigIssue(key=key, value=s, allowed=allowed) for s in items
-              if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0]
+              if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 0 <= s <= SEED_MAX]
     if issues:
         raise ConfigError(issues)
     out = [int(s) for s in items]
@@ -222,6 +223,8 @@ def run_seeds(cfg: ExperimentConfig, seeds: Sequence[int], *, progress: bool = T
     from rayfed_proto.tracking import make_tracker
 
     seeds = check_seeds(seeds)
+    for seed in seeds:  # every seed's config is checked before anything is created (the folder, the parent run)
+        build_config({**cfg.to_dict(), "seed": seed}, source=f"--seeds {seed}")
     tracker = make_tracker(cfg.tracking)  # the store, resolved and created now: every seed's run uses it
     shared = cfg
     if tracker.uri is not None:

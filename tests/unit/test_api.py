@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from rayfed_proto.cli import main
-from rayfed_proto.config import ConfigError, InputError
+from rayfed_proto.config import ConfigError, InputError, load_config
+from rayfed_proto.preset_files import resolve_config_arg
 
 
 def test_import_rayfed_proto_keeps_ray_torch_mlflow_and_pandas_out():
@@ -49,7 +50,7 @@ def test_api_bad_config_names_the_key_the_value_and_what_is_allowed():
 def test_api_bad_seeds_and_resume_arguments_are_refused_before_ray():
     from rayfed_proto import run
 
-    with pytest.raises(ConfigError, match="seeds = -1: one or more distinct non-negative integers"):
+    with pytest.raises(ConfigError, match=r"seeds = -1: one or more distinct integers from 0 to 2\*\*32 - 1"):
         run("fedsa_digits", seeds=[0, -1])
     with pytest.raises(ConfigError, match=r"seeds = \[0, 0\]: .*repeated: 0"):
         run("fedsa_digits", seeds=[0, 0])
@@ -129,6 +130,25 @@ def test_ui_prints_the_experiments_runs_link_in_the_model_training_view(tmp_path
     assert "no experiment 'nope'" in capsys.readouterr().err
 
 
+def test_ui_on_a_port_in_use_exits_2_at_once_naming_the_port(tmp_path, capsys, monkeypatch):
+    """Issue 45 item 3: no ``mlflow ui`` started to fail after seconds and exit 0."""
+    import socket
+    import subprocess
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'm.db'}"
+    MlflowClient(uri).search_experiments()  # the store exists
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("mlflow ui started on a port in use"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["ui", "--tracking-uri", uri, "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve the MLflow UI on 127.0.0.1:{port}" in err and f"--port {port + 1}" in err, err
+
+
 def test_sweep_names_and_relative_paths_are_found_from_any_folder(tmp_path, monkeypatch):
     import rayfed_proto
     from rayfed_proto.cli import resolve_sweep_arg
@@ -169,6 +189,26 @@ def test_cli_seeds_refusals_exit_2_before_ray(tmp_path, capsys):
     assert code == 2 and "--seeds = [1]: omit it with --resume of a single run" in err
     assert ray.is_initialized() == ray_before
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_seed_above_2_32_is_refused_before_the_group_folder_or_parent_run_exist(tmp_path, capsys, monkeypatch):
+    """Issue 45 item 2: every seed is checked first, whichever place it has in --seeds."""
+    from rayfed_proto.runtime import seeds as seed_groups
+
+    monkeypatch.chdir(tmp_path)
+    track = ["--set", f"tracking.tracking_uri=sqlite:///{tmp_path / 'm.db'}", "--set", f"tracking.output_dir={tmp_path / 'runs'}"]
+    for seeds in (["4294967296", "1"], ["0", "4294967296"]):
+        code, err = _cli(["run", "fedsa_digits", *track, "--seeds", *seeds], capsys)
+        assert code == 2 and "--seeds = 4294967296: one or more distinct integers from 0 to 2**32 - 1" in err, err
+    cfg = load_config(resolve_config_arg("fedsa_digits"), [track[1], track[3]])
+    with pytest.raises(ConfigError, match="4294967296"):
+        seed_groups.run_seeds(cfg, [0, 2**32])
+    ran = []
+    monkeypatch.setattr(seed_groups, "check_seeds", lambda seeds: list(seeds))  # the per-seed config check alone
+    monkeypatch.setattr("rayfed_proto.runtime.driver.run_experiment", lambda *a, **k: ran.append(a))
+    with pytest.raises(ConfigError, match="seed = 4294967296"):
+        seed_groups.run_seeds(cfg, [0, 2**32])
+    assert not ran and not (tmp_path / "runs").exists() and not (tmp_path / "m.db").exists()
 
 
 # ------------------------------------------------------------------------------ a seed group, driver faked

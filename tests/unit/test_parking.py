@@ -225,8 +225,8 @@ def test_a_checkpointed_state_is_parked_by_a_link_checked_and_not_loaded(tmp_pat
         f.write(bytes([byte[0] ^ 0xFF]))
     assert store.adopt(4, path4, size4, sha4) is None and 4 not in store
     # what else it declines, leaving no file behind: a size other than the manifest's, a file out
-    # of reach (another node), states kept for evaluations, and a store in memory
-    path5, size5, sha5 = _checkpointed(tmp_path / "ckpt", 5, {"model": {}, "updates": 1, "kept": {0: {"model": {}}}})
+    # of reach (another node), kept entries that are not states, and a store in memory
+    path5, size5, sha5 = _checkpointed(tmp_path / "ckpt", 5, {"model": {}, "updates": 1, "kept": {0: [1, 2]}})
     assert store.adopt(3, path, size + 1, sha) is None
     assert store.adopt(6, tmp_path / "elsewhere" / "6.pt", 10, sha) is None
     assert store.adopt(5, path5, size5, sha5) is None
@@ -307,3 +307,33 @@ def test_a_state_that_cannot_be_written_says_where_and_which_keys_to_change(tmp_
     with pytest.raises(OSError, match="resources.park_dir") as err:
         OnDisk(tmp_path / "x.pt", {"updates": 1})
     assert "No space left" in str(err.value) and not (tmp_path / "x.pt").exists()
+
+
+def test_a_state_with_one_kept_for_an_evaluation_is_linked_too_and_evaluates_as_if_sent(fed, tmp_path):
+    """Issue 45 item 4: a client whose update was in simulated flight at a stop keeps the state
+    before it for evaluations; its checkpointed state is linked all the same (the kept one copied
+    into a file of its own), and evaluates exactly as the bytes the driver would send."""
+    cfg, ds, part = fed
+    state = GlobalState(version=0)
+    trained = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path / "a"))
+    trained.train(1, state)
+    trained.train(1, state, keep_from=1)  # update 2; the state after update 1 is kept
+    checkpointed = trained.client_states([1])[1]
+    assert set(checkpointed["kept"]) == {1}
+    path, size, sha = _checkpointed(tmp_path / "ckpt", 1, checkpointed)
+    adopted = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path / "b"))
+    assert adopted.adopt_files({1: (str(path), size, sha)}) == []  # linked: no bytes to send
+    assert os.stat(adopted.parked.handle_of(1).path).st_ino == os.stat(path).st_ino
+    assert os.stat(adopted.kept[1][1].path).st_ino != os.stat(path).st_ino
+    sent = ClientHost(cfg, ds, part.clients, CPU, park=True, parked=_on_disk(tmp_path / "c"))
+    sent.load_state_dicts({1: checkpointed})
+    for as_of in (1, 2):
+        want = repr(trained.evaluate([1], state, as_of={1: as_of}))
+        assert repr(adopted.evaluate([1], state, as_of={1: as_of})) == repr(sent.evaluate([1], state, as_of={1: as_of})) == want
+    # before a checkpoint the worker drops what no evaluation can ask for: then nothing is kept
+    trained.train(1, state, keep_from=2)
+    trained.drop_kept({1: 3})
+    assert trained.kept == {} and "kept" not in trained.client_states([1])[1]
+    trained.train(2, state, keep_from=0)
+    trained.drop_kept({2: None})  # outside the evaluated sample: none ever
+    assert trained.kept == {}
