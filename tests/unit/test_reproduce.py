@@ -122,6 +122,9 @@ def test_fedlsa_columns_read_each_domain_of_one_run():
     assert runner.cell_metric(r, "small", fedavg, "FedAvg", "Digits/MNIST") == ("eval/global_acc_original", "final")
     assert runner.cell_metric(r, "full", fedavg, "FedAvg", "Digits/SYN") == ("eval/global_acc_synth", "final")
     assert runner.cell_metric(r, "full", fedavg, "FedAvg", "Digits/AVERAGE") == ("eval/global_acc_domain_mean", "final")
+    fedlsa = r.methods[1]  # its paper metric is the domain mean itself: a domain's column reads that domain
+    assert runner.cell_metric(r, "small", fedlsa, "FedLSA", "Digits/MNIST") == ("eval/global_acc_original", "final")
+    assert runner.cell_metric(r, "small", fedlsa, "FedLSA", "Digits/AVERAGE") == ("eval/global_acc_domain_mean", "final")
 
 
 def test_dry_run_prints_the_runs_without_ray(capsys):
