@@ -100,6 +100,30 @@ def scenario_runs(tmp: Path, rounds: int):
 
     yield "interrupt + resume (sync) vs uninterrupted", 1, stop_and_resume, None
 
+    def stop_async_between_evaluations():
+        # issue 45: a stop at a version that is not evaluated (eval_every 3), resumed; on the
+        # virtual clock the resumed run must equal the uninterrupted one
+        common = ["federation.mode=async", "federation.buffer_size=1", "federation.concurrency=2",
+                  "federation.eval_every=3", "checkpoint.every=2", "system={speed: {kind: lognormal, sigma: 1.0}}"]
+        straight = run_experiment(cfg("async_straight", common), **quiet)
+        try:
+            run_experiment(cfg("async_stopped", common + [f"faults.stop_at_version={rounds // 2 + 1}"]), **quiet)
+            raise AssertionError("the stop did not happen")
+        except RunInterrupted as stop:
+            resumed = run_experiment(cfg("async_stopped", common), resume_dir=stop.output_dir, **quiet)
+        def figures(history):  # accuracies, losses and means (staleness included) per evaluated version
+            return {h["version"]: {k: v for k, v in h.items() if k.endswith(("_acc", "loss", "_mean"))} for h in history}
+
+        a, b = figures(straight.history), figures(resumed.history)
+        differ = sorted(v for v in a.keys() | b.keys() if a.get(v) != b.get(v))
+        if differ:
+            print(f"resumed async run differs from the uninterrupted one at versions {differ}", flush=True)
+        resumed.exact = not differ
+        return resumed
+
+    yield "interrupt between evaluations + resume (async, virtual clock) vs uninterrupted", 1, \
+        stop_async_between_evaluations, None
+
 
 def guard_scenarios(tmp: Path, rounds: int):
     """(name, expected, run) where run() returns what was observed, as text."""
