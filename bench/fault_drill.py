@@ -112,7 +112,8 @@ def scenario_runs(tmp: Path, rounds: int):
         except RunInterrupted as stop:
             resumed = run_experiment(cfg("async_stopped", common), resume_dir=stop.output_dir, **quiet)
         def figures(history):  # accuracies, losses and means (staleness included) per evaluated version
-            return {h["version"]: {k: v for k, v in h.items() if k.endswith(("_acc", "loss", "_mean"))} for h in history}
+            return {h["version"]: {k: None if v != v else v for k, v in h.items()  # NaN (nothing yet) as None
+                                   if k.endswith(("_acc", "loss", "_mean"))} for h in history}
 
         a, b = figures(straight.history), figures(resumed.history)
         differ = sorted(v for v in a.keys() | b.keys() if a.get(v) != b.get(v))
