@@ -217,13 +217,13 @@ def _no_seed_override(items: list[str]) -> None:
 
 
 def _resume(config, resume, items: list[str], seeds, progress: bool, say) -> Result | SeedsResult:
-    from rayfed_proto.cli import _check_resume_overrides
+    from rayfed_proto.config import check_resume_overrides
     from rayfed_proto.runtime import seeds as seed_groups
 
     if config is not None:
         raise ConfigError([ConfigIssue(key="config", value=str(config), allowed=(
             "None with resume=...: the run's own config.yaml is used"))])
-    _check_resume_overrides(items)
+    check_resume_overrides(items)
     folder = Path(resume)
     if seed_groups.is_group(folder):
         if seeds is not None:

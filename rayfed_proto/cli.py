@@ -14,7 +14,14 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from rayfed_proto.config import ConfigError, ConfigIssue, ExperimentConfig, InputError, load_config
+from rayfed_proto.config import (
+    ConfigError,
+    ConfigIssue,
+    ExperimentConfig,
+    InputError,
+    check_resume_overrides,
+    load_config,
+)
 from rayfed_proto.preset_files import preset_names, presets_dir, resolve_config_arg
 
 EXIT_BAD_INPUT = 2
@@ -78,27 +85,6 @@ def _batching(name: str) -> str:
     refusal = method_refusal(ALGORITHMS.get(name).Client)
     return "batched (clients of one architecture on a worker step together)" if refusal is None else \
         f"one client at a time ({refusal})"
-
-
-# With --resume, --set may change how a run goes on, not what it is: the model, data, method and
-# optimizer settings are fixed by the saved config and by the checkpoint (a restored optimizer
-# keeps its saved learning rate, so a changed training.lr would be silently ignored).
-RESUME_SETTABLE = ("resources.", "tracking.", "checkpoint.", "reliability.", "faults.",
-                   "federation.rounds", "federation.eval_every")
-
-
-def _check_resume_overrides(overrides: list[str] | None) -> None:
-    from rayfed_proto.config import parse_override
-
-    issues = []
-    for item in overrides or []:
-        key, value = parse_override(item)
-        if not any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_SETTABLE):
-            issues.append(ConfigIssue(key=key, value=value, allowed=(
-                "with --resume only how the run goes on: " + ", ".join(p + "*" if p.endswith(".") else p for p in RESUME_SETTABLE)
-                + "; the rest is fixed by the saved config and checkpoint (start a new run to change it)")))
-    if issues:
-        raise ConfigError(issues, "--resume --set")
 
 
 def package_version() -> str:
@@ -217,7 +203,7 @@ def cmd_run(args) -> int:
             if args.seeds is not None:
                 raise ConfigError([ConfigIssue(key="--seeds", value=args.seeds, allowed=(
                     "omit it with --resume of a seed group: the group's seeds.json lists its seeds"))])
-            _check_resume_overrides(args.set)
+            check_resume_overrides(args.set)
             return _report_seed_group(seed_groups.resume_seeds(args.resume, args.set, progress=progress))
         if args.seeds is not None:
             raise ConfigError([ConfigIssue(key="--seeds", value=args.seeds, allowed=(
@@ -227,7 +213,7 @@ def cmd_run(args) -> int:
             from rayfed_proto.config import parse_override
             from rayfed_proto.runtime.runstore import rebuild_run_folder
 
-            _check_resume_overrides(args.set)
+            check_resume_overrides(args.set)
             out_dir = dict(parse_override(s) for s in args.set).get("tracking.output_dir")
             uri, args.resume = args.resume, str(rebuild_run_folder(args.resume, out_dir))
             args.set = [f"checkpoint.dir={uri}", *args.set]
@@ -235,7 +221,7 @@ def cmd_run(args) -> int:
         if not saved.is_file():
             raise InputError(f"{args.resume} is not the output folder of a run or seed group (no config.yaml or "
                              "seeds.json in it); pass the folder printed as 'outputs:' or in the stop message")
-        _check_resume_overrides(args.set)
+        check_resume_overrides(args.set)
         cfg = load_config(saved, args.set)
     else:
         if args.methods:

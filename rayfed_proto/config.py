@@ -1027,3 +1027,24 @@ def clients_per_round(cfg: ExperimentConfig) -> int:
 def simulated_concurrency(cfg: ExperimentConfig) -> int:
     """Virtual clock: clients training at once in the simulated federation (:func:`runtime.policies.simulated_concurrency`)."""
     return policies.simulated_concurrency(cfg.federation)
+
+
+# With --resume, --set may change how a run goes on, not what it is: the model, data, method and
+# optimizer settings are fixed by the saved config and by the checkpoint (a restored optimizer
+# keeps its saved learning rate, so a changed training.lr would be silently ignored).
+RESUME_SETTABLE = ("resources.", "tracking.", "checkpoint.", "reliability.", "faults.",
+                   "federation.rounds", "federation.eval_every")
+
+
+def check_resume_overrides(overrides: list[str] | None) -> None:
+    """``--set`` items given with ``--resume`` (or ``resume=`` in the API): only keys of
+    :data:`RESUME_SETTABLE`, else a ConfigError naming each key and what may be set."""
+    issues = []
+    for item in overrides or []:
+        key, value = parse_override(item)
+        if not any(key == p or (p.endswith(".") and key.startswith(p)) for p in RESUME_SETTABLE):
+            issues.append(ConfigIssue(key=key, value=value, allowed=(
+                "with --resume only how the run goes on: " + ", ".join(p + "*" if p.endswith(".") else p for p in RESUME_SETTABLE)
+                + "; the rest is fixed by the saved config and checkpoint (start a new run to change it)")))
+    if issues:
+        raise ConfigError(issues, "--resume --set")

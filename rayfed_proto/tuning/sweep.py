@@ -25,6 +25,7 @@ from rayfed_proto.runtime.autoscale import withdraw_request
 from rayfed_proto.tracking.links import experiment_url, no_mlflow_run_links
 from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED, sweep_best
 from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, resolve_tracking_uri
+from rayfed_proto.tracking.paper_metric import final_and_best
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
 from rayfed_proto.tuning.plan import check_cluster, plan_sweep, request_for_trials
 from rayfed_proto.tuning.report import (
@@ -349,11 +350,7 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
     for res in grid:
         last = dict(res.metrics or {})
         frame = res.metrics_dataframe
-        best_value = float("nan")
-        if frame is not None and metric in frame:
-            col = frame[metric].dropna()
-            if len(col):
-                best_value = float(col.max() if mode == "max" else col.min())
+        best_value = final_and_best(frame[metric], mode)[1] if frame is not None and metric in frame else float("nan")
         if res.error is not None:
             status = "ERROR"
         elif last.get("version") is None:
