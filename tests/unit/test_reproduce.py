@@ -204,3 +204,11 @@ def test_bad_input_exits_2_naming_what_is_allowed(argv, says, capsys):
 def test_unknown_scale_from_the_api():
     with pytest.raises(ConfigError, match="--scale = 'huge': small, full"):
         runner.make_plan("fedsa", scale="huge")
+
+
+def test_fedprotokd_tables_read_the_server_and_the_clients_accuracy():
+    """TABLE I is the server model's accuracy, TABLE II the clients' personalised accuracy (Sec. IV-E)."""
+    for table, want in (("table1", ("eval/global_acc", "best")), ("table2", ("eval/head_acc", "best"))):
+        r = runner.make_plan("fedprotokd", table, scale="small").reproduction
+        kd = next(m for m in r.methods if m.algorithm == "fedprotokd")
+        assert tuple(runner.cell_metric(r, "small", kd, "FedProtoKD", "alpha=0.1/CIFAR-10")) == want
