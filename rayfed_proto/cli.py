@@ -284,7 +284,7 @@ def _run_methods(args, progress: bool) -> int:
     for method, cfg in zip(args.methods, cfgs, strict=True):
         print(f"== {method} ==", flush=True)
         if seeds is not None:
-            code = max(code, _report_seed_group(seed_groups.run_seeds(cfg, seeds, progress=progress)))
+            code = max(code, _report_seed_group(seed_groups.run_seeds(cfg, seeds, progress=progress, method_first=True)))
             continue
         result = run_experiment(cfg, progress=progress)
         print(result.summary)
