@@ -6,7 +6,9 @@ that differ between them, and reduces each group over its seeds: the final value
 evaluation) and the best value (over its evaluations) of a metric, as mean ± std. The result is a
 table (CSV and Markdown), a plot of the metric against the server version (and against simulated
 time when the runs ran on the virtual clock) with a mean line and a ± std band per group, and,
-optionally, a *comparison run* in MLflow holding them.
+optionally, a *comparison run* in MLflow holding them, with one nested run per group whose
+metrics are the group's mean over its seeds under the metric's own name (:func:`log_comparison`:
+MLflow draws the groups in one chart).
 
 Rules (docs/quickstart.md, "Comparing methods over seeds"):
 
