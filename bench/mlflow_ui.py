@@ -269,7 +269,7 @@ def demo(workdir: Path) -> tuple[str, str, str, str | None, str | None]:
                                                  "log_models": "none"}}
         for method in ("fedproto", "fedsa"):
             group = run_seeds(build_config({**seeds_base, "algorithm": {"name": method}}), [0, 1], progress=False,
-                              echo=print)
+                              echo=print, method_first=True)
             seeds_parent = seeds_parent or group.parent_run_id
         comp = compare(["mlflow_ui_seeds"], tracking_uri=uri)
         comparison = log_comparison(comp, write_outputs(comp, workdir / "compare"))

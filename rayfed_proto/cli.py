@@ -108,12 +108,9 @@ def browse_hint(tracking_uri: str, run_id: Optional[str] = None, experiment_id: 
 
 
 def cmd_ui(args) -> int:
-    """Serve the store with ``mlflow ui`` and print (``--open``: open) the experiment's runs, in the
-    model-training view; on a tracking server (http) only the link."""
-    import subprocess
-    import time
-    import urllib.request
-
+    """Serve the store with ``mlflow ui`` and, once it answers, print (``--open``: open) the
+    experiment's runs, in the model-training view; on a tracking server (http) only the link.
+    Ctrl-C or SIGTERM stops the server and its workers (its whole process group)."""
     from rayfed_proto.tracking import links
 
     uri = _ui_store(args.tracking_uri)
@@ -127,29 +124,131 @@ def cmd_ui(args) -> int:
     base = uri.rstrip("/") if links.is_server(uri) else links.ui_base(args.host, args.port)
     link = links.experiment_url(base, experiment.experiment_id) if experiment else f"{base}/#/experiments?{links.ML_VIEW}"
     what = f"experiment {experiment.name!r}" if experiment else "the experiments (none holds a run yet)"
-    print(f"MLflow UI, {what}: {link}")
-    print("(links carry ?workflowType=machine_learning; elsewhere, the sidebar switch 'Model training' keeps the "
-          "UI on runs for this browser)", flush=True)
     if not serve:
+        _print_ui_link(what, link)
         if args.open:
             _open_browser(link)
         return 0
-    proc = subprocess.Popen(links.ui_server_command(uri, args.host, args.port))
+    return _serve_ui(links.ui_server_command(uri, args.host, args.port), base, what, link, args.open)
+
+
+UI_START_TIMEOUT_S = 180.0  # mlflow ui on a loaded machine took 27 s to answer (issue 49)
+UI_PROGRESS_EVERY_S = 5.0
+
+
+def _print_ui_link(what: str, link: str) -> None:
+    print(f"MLflow UI, {what}: {link}")
+    print("(links carry ?workflowType=machine_learning; elsewhere, the sidebar switch 'Model training' keeps the "
+          "UI on runs for this browser)", flush=True)
+
+
+def _serve_ui(command: list[str], base: str, what: str, link: str, open_browser: bool) -> int:
+    """Start ``command`` (``mlflow ui``) in a process group of its own, print the link once ``base``
+    answers, then wait; Ctrl-C or SIGTERM stop the whole group (the server, its workers, its job
+    runner), as does any way out of here."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(command, start_new_session=True)  # its own group: killpg reaches every worker
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        deadline = time.monotonic() + 120
-        while proc.poll() is None and time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
-        if proc.poll() is None and args.open:
+        if not _wait_for_ui(proc, base):
+            code = proc.poll()
+            print(f"error: the MLflow UI did not answer at {base} "
+                  + (f"(mlflow ui exited with status {code})" if code is not None
+                     else f"within {UI_START_TIMEOUT_S:.0f} s; stopped it"), file=sys.stderr)
+            return code or 1
+        print(f"MLflow UI ready at {base} (Ctrl-C stops it)")
+        _print_ui_link(what, link)
+        if open_browser:
             _open_browser(link)
         return proc.wait()
+    except _Terminated:
+        return 143  # 128 + SIGTERM
     except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait(timeout=15)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        _stop_group(proc)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM while ``rayfed-proto ui`` serves: stopped as on Ctrl-C."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
+def _wait_for_ui(proc, base: str) -> bool:
+    """Poll ``base`` until it answers (any HTTP response); a line of progress every few seconds.
+    False when the server exited or did not answer within :data:`UI_START_TIMEOUT_S`."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    start = time.monotonic()
+    said = start
+    print(f"starting the MLflow UI at {base} ...", flush=True)
+    while proc.poll() is None and time.monotonic() - start < UI_START_TIMEOUT_S:
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2):
+                return True
+        except urllib.error.HTTPError:  # an HTTP answer, even an error page: it serves
+            return True
+        except OSError:
+            time.sleep(0.25)
+        if time.monotonic() - said >= UI_PROGRESS_EVERY_S:
+            said = time.monotonic()
+            print(f"  waiting for the MLflow UI to answer ({said - start:.0f} s)", flush=True)
+    return False
+
+
+def _stop_group(proc, grace_s: float = 10.0) -> None:
+    """SIGTERM to the server's process group, SIGKILL to what is left of it after ``grace_s``."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import time
+
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:  # the group is gone
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                proc.poll()  # reap the leader: a zombie still counts for killpg
+            if not group_members(proc.pid):
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=1)  # reaped, not left a zombie
+                return
+            time.sleep(0.1)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of the process group ``pgid``, read from /proc; where there
+    is no /proc, ``[pgid]`` while the group can still be signalled."""
+    import os
+
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    members = []
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state ppid pgrp ...
+        except (OSError, IndexError):  # ended while read
+            continue
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            members.append(int(stat.parent.name))
+    return members
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -270,7 +369,7 @@ def _run_methods(args, progress: bool) -> int:
     for method, cfg in zip(args.methods, cfgs, strict=True):
         print(f"== {method} ==", flush=True)
         if seeds is not None:
-            code = max(code, _report_seed_group(seed_groups.run_seeds(cfg, seeds, progress=progress)))
+            code = max(code, _report_seed_group(seed_groups.run_seeds(cfg, seeds, progress=progress, method_first=True)))
             continue
         result = run_experiment(cfg, progress=progress)
         print(result.summary)

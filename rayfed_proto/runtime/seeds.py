@@ -20,11 +20,18 @@ none), a seed not started yet runs.
 
 The parent run's params are the shared config (``seed`` left out, ``seeds`` added), its tag
 ``rayfed_proto.seeds`` lists the seeds, its tag ``rfp.role`` is ``parent``; each seed's run is named
-``seed=<s> <algorithm> <dataset>`` (what differs first) and nested by the tag ``mlflow.parentRunId`` (set by the tracker from ``tracking.parent_run_id``, as for a
-sweep's trials). The parent's metrics are ``seeds/<column>_mean`` and ``seeds/<column>_std``
-(``seeds/eval/head_acc_final_mean``...) and ``seeds/finished``; its description and artifacts
-hold the table. The parent ends FINISHED when every seed finished, KILLED when the group was
-stopped (tags ``stopped``, ``resume_from``), FAILED otherwise (tag ``failure_reason``).
+what differs first (the run list cuts names short): ``seed=<s> <algorithm> <dataset>`` in a group
+of its own, ``<algorithm> seed=<s> <dataset>`` when several methods share the experiment
+(``run --methods``, :func:`run_seeds`'s ``method_first``), and nested by the tag
+``mlflow.parentRunId`` (set by the tracker from ``tracking.parent_run_id``, as for a sweep's
+trials). The parent's metrics are, per version, the mean over the finished seeds under the
+metric's own name (``eval/head_acc``: drawn in one chart with the seeds' runs, and its last value,
+the mean of the seeds' final values, is what the run list shows and sorts by) and the std as
+``eval/head_acc_seed_std`` (tracking/group_metrics.py); the final and best figures over the seeds
+are tags ``seeds/<column>`` (``seeds/eval/head_acc_final``: ``0.8123 ± 0.0040 (n=3)``), in the
+table of its description and artifacts. The parent ends FINISHED when every seed finished, KILLED
+when the group was stopped (tags ``stopped``, ``resume_from``), FAILED otherwise (tag
+``failure_reason``).
 """
 
 from __future__ import annotations
@@ -35,7 +42,6 @@ import logging
 import math
 import numbers
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -66,14 +72,13 @@ STD_NOTE = ("std: population standard deviation over the finished seeds (numpy's
             "the bench tables use); none for a single seed")
 
 
-def seeds_metric(column: str, stat: str) -> str:
-    """A metric of the group's parent run: ``seeds_metric("eval/head_acc_final", "mean") ->
-    "seeds/eval/head_acc_final_mean"`` (a section of its own: never the per-client
-    ``eval/head_acc_mean``)."""
-    return f"seeds/{column}_{stat}"
+SEEDS_FINISHED_TAG = "rayfed_proto.seeds_finished"  # the number of seeds the parent's mean and std are over
 
 
-SEEDS_FINISHED = "seeds/finished"  # the number of seeds the mean and std are over
+def seeds_tag(column: str) -> str:
+    """The parent's tag of a final or best figure over the seeds: ``seeds_tag("eval/head_acc_final") ->
+    "seeds/eval/head_acc_final"`` (a tag: one value per group, no chart)."""
+    return f"seeds/{column}"
 
 
 def check_seeds(seeds: Any, key: str = "--seeds") -> list[int]:
@@ -139,12 +144,13 @@ class SeedGroup:
     summary: str = ""
     status: str = "RUNNING"  # FINISHED, FAILED (a seed failed), KILLED (stopped)
     reason: Optional[str] = None
+    method_first: bool = False  # seed run names lead with the method (several methods in one experiment)
 
     # -------------------------------------------------------------------------- seeds.json
     def save(self) -> None:
         data = {"kind": KIND, "name": self.name, "seeds": self.seeds, "parent_run_id": self.parent_run_id,
                 "tracking_uri": self.tracking_uri, "experiment_name": self.experiment_name,
-                "runs": {str(s): vars(r) for s, r in self.records.items()}}
+                "method_first": self.method_first, "runs": {str(s): vars(r) for s, r in self.records.items()}}
         path = self.output_dir / STATE_FILE
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, indent=1))
@@ -161,7 +167,7 @@ class SeedGroup:
             seeds = check_seeds(data["seeds"], key=f"{path} seeds")
             records = {s: SeedRecord(**data.get("runs", {}).get(str(s), {})) for s in seeds}
             return cls(folder, seeds, str(data["name"]), data.get("parent_run_id"), data.get("tracking_uri"),
-                       str(data.get("experiment_name") or ""), records)
+                       str(data.get("experiment_name") or ""), records, method_first=bool(data.get("method_first", False)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise InputError(f"{path} is not a readable seed-group record ({e}); pass the folder printed as "
                              "'outputs:' by rayfed-proto run --seeds") from None
@@ -172,7 +178,7 @@ class SeedGroup:
         raw = copy.deepcopy(shared.to_dict())
         raw["seed"] = seed
         set_dotted(raw, "tracking.output_dir", str(self.output_dir / f"seed-{seed}"))
-        set_dotted(raw, "tracking.run_name", seed_run_name(shared, seed))
+        set_dotted(raw, "tracking.run_name", seed_run_name(shared, seed, self.method_first))
         if self.parent_run_id:
             set_dotted(raw, "tracking.parent_run_id", self.parent_run_id)
         if shared.checkpoint.dir:  # one store per seed, or the seeds would share checkpoints
@@ -193,9 +199,12 @@ def _base_name(cfg: ExperimentConfig) -> str:
     return cfg.tracking.run_name or f"{cfg.algorithm.name}-{cfg.data.name}"
 
 
-def seed_run_name(cfg: ExperimentConfig, seed: int) -> str:
+def seed_run_name(cfg: ExperimentConfig, seed: int, method_first: bool = False) -> str:
     """A seed's run name, what differs first (the run list cuts names short): ``seed=1 fedsa digits``
-    (``seed=1 <tracking.run_name>`` when set)."""
+    in a group of one method (``seed=1 <tracking.run_name>`` when set); with ``method_first`` (several
+    methods in one experiment, ``run --methods``) ``fedsa seed=1 digits`` (``fedsa seed=1 <run_name>``)."""
+    if method_first:
+        return f"{cfg.algorithm.name} seed={seed} {cfg.tracking.run_name or cfg.data.name}"[:250]
     return f"seed={seed} {cfg.tracking.run_name or f'{cfg.algorithm.name} {cfg.data.name}'}"[:250]
 
 
@@ -215,9 +224,10 @@ def group_name(cfg: ExperimentConfig, seeds: list[int]) -> str:
 
 
 def run_seeds(cfg: ExperimentConfig, seeds: Sequence[int], *, progress: bool = True,
-              echo: Callable[[str], None] = print) -> SeedGroup:
+              echo: Callable[[str], None] = print, method_first: bool = False) -> SeedGroup:
     """Run ``cfg`` once per seed in a new group folder (see the module doc); returns the group
-    with its table. A stop (Ctrl-C, SIGTERM, ``faults.stop_at_version``) raises
+    with its table. ``method_first``: the seeds' run names lead with the method (:func:`seed_run_name`;
+    for groups of several methods in one experiment). A stop (Ctrl-C, SIGTERM, ``faults.stop_at_version``) raises
     :class:`~rayfed_proto.runtime.driver.RunInterrupted` naming the group folder to resume."""
     from rayfed_proto.runtime.runfolder import RunFolderLock
     from rayfed_proto.tracking import make_tracker
@@ -234,7 +244,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: Sequence[int], *, progress: bool = T
     name = group_name(cfg, seeds)
     folder = _new_group_folder(cfg, seeds)
     group = SeedGroup(folder, seeds, name, None, tracker.uri, cfg.tracking.experiment_name,
-                      {s: SeedRecord() for s in seeds})
+                      {s: SeedRecord() for s in seeds}, method_first=method_first)
     with RunFolderLock(folder):
         (folder / "config.yaml").write_text(
             f"# the shared config of the seed group {name}: each seed's run uses it with seed: <s> (see {STATE_FILE})\n"
@@ -590,40 +600,72 @@ def _reopen_parent(group: SeedGroup) -> None:
 
 def _log_summary(group: SeedGroup) -> None:
     """The table into the group folder (summary.txt, seeds.csv) and onto the parent run: the
-    mean and std as metrics, the table as its description and artifacts."""
+    curves over the seeds as metrics (:func:`_log_curves`), the final and best figures as tags, the
+    table as its description and artifacts."""
     import pandas as pd
-    from mlflow.entities import Metric, RunTag
+    from mlflow.entities import RunTag
 
     (group.output_dir / "summary.txt").write_text(group.summary + "\n")
     rows = [{**r, "final_version": "" if pd.isna(r["final_version"]) else int(r["final_version"])}
             for r in group.per_seed.reset_index().to_dict("records")]
     rows += [{"seed": stat, "status": f"n={int(group.stats['n'].iloc[0])}" if stat == "mean" else "",
               **group.stats.loc[stat].drop("n").to_dict()} for stat in ("mean", "std")]
-    pd.DataFrame(rows).to_csv(group.output_dir / "seeds.csv", index=False)
+    table = pd.DataFrame(rows)
+    table.to_csv(group.output_dir / "seeds.csv", index=False)
     if not group.parent_run_id:
         return
     try:
         client = _client(group)
-        now = int(time.time() * 1000)
-        metrics = [Metric(SEEDS_FINISHED, float(group.stats["n"].iloc[0]), now, 0)]
-        tags = [RunTag("mlflow.note.content", f"```\n{group.summary}\n```")]
-        if (paper := paper_metric_column(group)) is not None:  # which seeds/<column>_mean is the paper's figure
+        n = int(group.stats["n"].iloc[0])
+        tags = [RunTag("mlflow.note.content", parent_note(group)), RunTag(SEEDS_FINISHED_TAG, str(n))]
+        if (paper := paper_metric_column(group)) is not None:  # which seeds/<column> is the paper's figure
             tags.append(RunTag(PAPER_METRIC_TAG, paper[0]))
-        for column in group.stats.columns.drop("n"):
-            for stat in ("mean", "std"):
-                value = float(group.stats.loc[stat, column])
-                if math.isfinite(value):  # no std of a single seed
-                    metrics.append(Metric(seeds_metric(column, stat), value, now, 0))
-        client.log_batch(group.parent_run_id, metrics=metrics, tags=tags)
+        tags += [RunTag(seeds_tag(column), _stat_text(group, column)) for column in group.stats.columns.drop("n")]
+        client.log_batch(group.parent_run_id, tags=tags)
+        _log_curves(group, client)  # eval/head_acc first: the compare page's parallel coordinates take the first metric
         client.log_artifact(group.parent_run_id, str(group.output_dir / "summary.txt"))
         client.log_artifact(group.parent_run_id, str(group.output_dir / "seeds.csv"))
-        _log_curves(group, client)
+        client.log_table(group.parent_run_id, table.astype({"seed": str, "final_version": str}), "tables/seeds.json")
     except Exception as e:  # the table is on disk and printed: the store being gone does not undo the seeds
         log.warning("could not log the seed group's summary to MLflow run %s: %s", group.parent_run_id, e)
 
 
+def _stat_text(group: SeedGroup, column: str) -> str:
+    """``0.8123 ± 0.0040 (n=3)`` (the mean alone for one seed, ``-`` for none)."""
+    n = int(group.stats["n"].iloc[0])
+    mean, std = float(group.stats.loc["mean", column]), float(group.stats.loc["std", column])
+    if not math.isfinite(mean):
+        return "-"
+    return f"{mean:.4f}" + (f" ± {std:.4f}" if math.isfinite(std) else "") + f" (n={n})"
+
+
+def parent_note(group: SeedGroup) -> str:
+    """The parent's description: what its metrics are, a link to the Compare page of its seeds'
+    runs (on the seed against the metric), and the table."""
+    from rayfed_proto.tracking.links import compare_url, relative
+
+    lines = ["This parent's `eval/head_acc` (and the other `eval/` and `train/loss` series): per version the mean "
+             "over the finished seeds, its std beside it as `eval/head_acc_seed_std`; its last value, which the run "
+             "list shows and sorts by, is the mean of the seeds' final values. The final and best figures over the "
+             "seeds are the tags `seeds/...` and the table below."]
+    run_ids = [group.records[s].run_id for s in group.seeds if group.records[s].status == "finished"]
+    experiment = _experiment_id(group)
+    if experiment and len([r for r in run_ids if r]) > 1:
+        link = relative(compare_url("", experiment, [r for r in run_ids if r]))
+        lines.append(f"[Compare the seeds' runs]({link}) (MLflow's Compare page: `seed` against `eval/head_acc`).")
+    return "\n\n".join([*lines, f"```\n{group.summary}\n```"])
+
+
+def _experiment_id(group: SeedGroup) -> Optional[str]:
+    try:
+        return _client(group).get_run(group.parent_run_id).info.experiment_id
+    except Exception:
+        return None
+
+
 def _log_curves(group: SeedGroup, client) -> None:
-    """Per version, the mean and std over the finished seeds as the parent's metrics, and the banded plot."""
+    """Per version, the mean over the finished seeds as the parent's ``eval/head_acc`` ... and the std as
+    ``eval/head_acc_seed_std`` ... (tracking/group_metrics.py), and the banded plot."""
     import pandas as pd
 
     from rayfed_proto.tracking.group_metrics import log_seed_curves

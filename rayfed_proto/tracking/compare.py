@@ -6,7 +6,9 @@ that differ between them, and reduces each group over its seeds: the final value
 evaluation) and the best value (over its evaluations) of a metric, as mean ± std. The result is a
 table (CSV and Markdown), a plot of the metric against the server version (and against simulated
 time when the runs ran on the virtual clock) with a mean line and a ± std band per group, and,
-optionally, a *comparison run* in MLflow holding them.
+optionally, a *comparison run* in MLflow holding them, with one nested run per group whose
+metrics are the group's mean over its seeds under the metric's own name (:func:`log_comparison`:
+MLflow draws the groups in one chart).
 
 Rules (docs/quickstart.md, "Comparing methods over seeds"):
 
@@ -597,15 +599,19 @@ def _mean_std_on(xs: list[np.ndarray], ys: list[np.ndarray], interpolate: bool) 
         return grid.astype(float), np.nanmean(vals, 1), np.nanstd(vals, 1), n
 
 
-def group_curve(group: Group, x: str = "version") -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """(x, mean, std, runs per point) of the group's metric against the version, or against
-    simulated time (``x="sim_time"``: each run's points paired with its ``federation/sim_time_s``
-    at the same version, interpolated onto common times); None when no run has the x axis."""
+def group_curve(group: Group, x: str = "version", metric: Optional[str] = None,
+                ) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """(x, mean, std, runs per point) of the group's metric (or of the extra ``metric``, over the
+    runs that have it) against the version, or against simulated time (``x="sim_time"``: each
+    run's points paired with its ``federation/sim_time_s`` at the same version, interpolated onto
+    common times); None when no run has the x axis."""
     xs, ys = [], []
     for r in group.runs:
         if x == "version":
-            xs.append(r.metric.steps.astype(float))
-            ys.append(r.metric.values)
+            series = r.metric if metric is None else r.extras.get(metric)
+            if series is not None:
+                xs.append(series.steps.astype(float))
+                ys.append(series.values)
             continue
         if r.sim_time is None:
             continue
@@ -681,30 +687,31 @@ def write_outputs(comp: Comparison, out_dir: str | Path) -> dict[str, Path]:
     return paths
 
 
+PAPER_KEY = "eval/paper_metric"  # --metric paper: each group's mean of its own method's paper metric, one chart
+
+
+def chart_key(comp: Comparison) -> str:
+    """The key the compared metric is logged under in the comparison's runs: the metric itself
+    (``eval/head_acc``), or :data:`PAPER_KEY` for ``--metric paper`` (each group's own key in its
+    param ``paper_metric``)."""
+    return PAPER_KEY if comp.metric == PAPER else comp.metric
+
+
 def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: str = DEFAULT_EXPERIMENT_NAME) -> str:
-    """A FINISHED run in ``experiment_name`` (same store) holding the tables and plots as
+    """A FINISHED parent run in ``experiment_name`` (same store) holding the tables and plots as
     artifacts (plots under ``plots/``), the table as ``tables/comparison.json`` and as the run's
-    description; tagged :data:`COMPARE_TAG` so that a later compare leaves it out. Returns its id."""
+    description, with one nested run per group (:func:`log_group_run`: the group's mean over its
+    seeds per version under the metric's own name, so MLflow draws the groups in one chart). Every
+    one is tagged :data:`COMPARE_TAG` so that a later compare leaves it out. Returns the parent's id."""
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from rayfed_proto.tracking.group_metrics import log_points
     from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
 
     client = MlflowClient(comp.tracking_uri)
-    exp = client.get_experiment_by_name(experiment_name)
-    if exp is None:
-        try:
-            exp_id = client.create_experiment(experiment_name)
-        except Exception:  # created a moment ago by another process
-            exp = client.get_experiment_by_name(experiment_name)
-            if exp is None:
-                raise
-            exp_id = exp.experiment_id
-    else:
-        exp_id = exp.experiment_id
-    tags = {**run_tags(), ROLE_TAG: "comparison", COMPARE_TAG: "1", "rayfed_proto.compare.experiments": ", ".join(comp.experiments)[:5000],
-            "rayfed_proto.compare.metric": comp.metric, "mlflow.note.content": comp.markdown()[:60000]}
+    exp_id = _experiment_id(client, experiment_name)
+    tags = {**run_tags(), ROLE_TAG: "parent", COMPARE_TAG: "1", "rayfed_proto.compare.experiments": ", ".join(comp.experiments)[:5000],
+            "rayfed_proto.compare.metric": comp.metric}
     run = client.create_run(exp_id, tags=tags, run_name=f"compare {' '.join(comp.experiments)}"[:250])
     run_id = run.info.run_id
     try:
@@ -713,10 +720,14 @@ def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: st
                   "runs": comp.num_runs, "runs_left_out": len(comp.left_out), "tracking_uri": comp.tracking_uri}
         for k, v in params.items():
             client.log_param(run_id, k, str(v)[:6000])
+        children = [log_group_run(client, exp_id, run_id, comp, g) for g in comp.groups]
+        best = _best_group(comp)
+        if best is not None:  # the run list sorts the comparisons by the best group's figure, nesting kept
+            client.log_metric(run_id, chart_key(comp), best.final().mean, step=int(best.runs[0].metric.steps[-1]))
+        client.set_tag(run_id, "mlflow.note.content", comparison_note(comp, exp_id, children)[:60000])
         for key, p in files.items():
             client.log_artifact(run_id, str(p), "plots" if key.startswith("plot") else None)
         client.log_table(run_id, pd.DataFrame(comp.rows()), "tables/comparison.json")
-        log_points(client, run_id, comparison_points(comp))
     except BaseException:
         client.set_terminated(run_id, "FAILED")
         raise
@@ -724,17 +735,87 @@ def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: st
     return run_id
 
 
-def comparison_points(comp: Comparison) -> list[tuple[str, float, int]]:
-    """(key, value, step) of each group's mean and std of the compared metric per version:
-    ``<group label>/<metric>_mean`` (``fedsa/eval/head_acc_mean``), step = version."""
-    from rayfed_proto.tracking.group_metrics import curve_points, key_part
+def _experiment_id(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name)
+    except Exception:  # created a moment ago by another process
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def _best_group(comp: Comparison) -> Optional[Group]:
+    """The group with the best mean final value (highest, or lowest with mode min); None without one."""
+    scored = [(g.final().mean, g) for g in comp.groups if math.isfinite(g.final().mean)]
+    if not scored:
+        return None
+    pick = max if comp.mode == "max" else min
+    return pick(scored, key=lambda item: item[0])[1]
+
+
+def group_points(comp: Comparison, group: Group) -> list[tuple[str, float, int]]:
+    """(key, value, step) of a group's curves: per version the mean over its seeds of the compared
+    metric (under :func:`chart_key`) and of each extra metric under its own name, the std over
+    seeds as ``<key>_seed_std`` (two seeds or more); the compared metric first."""
+    from rayfed_proto.tracking.group_metrics import curve_points
 
     points = []
-    for g in comp.groups:
-        curve = group_curve(g, "version")
+    for metric, key in ((None, chart_key(comp)), *((m, m) for m in comp.extras)):
+        curve = group_curve(group, "version", metric)
         if curve is not None:
-            points += curve_points(key_part(g.label), comp.metric, curve[:3])
+            points += curve_points(key, curve[:3], int(curve[3].max()))
     return points
+
+
+def log_group_run(client, exp_id: str, parent_id: str, comp: Comparison, group: Group) -> str:
+    """One compared group as a FINISHED run nested under the comparison run: named by its label
+    (``fedsa``, ``fedsa algorithm.lam=0.1``), params ``algorithm.name``, its grouping keys, its
+    seeds, and its curves (:func:`group_points`)."""
+    from mlflow.entities import Param
+
+    from rayfed_proto.tracking.group_metrics import log_points
+    from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
+
+    tags = {**run_tags(), ROLE_TAG: "comparison", COMPARE_TAG: "1", PARENT_TAG: parent_id,
+            "mlflow.note.content": _group_note(comp, group)}
+    run_id = client.create_run(exp_id, tags=tags, run_name=group.label[:250]).info.run_id
+    params = {ALGORITHM_KEY: group.algorithm, **group.keys, "seeds": ",".join(group.seeds), "n_seeds": len(group.runs),
+              "run_ids": " ".join(r.run_id for r in group.runs)}
+    if comp.metric == PAPER:
+        params["paper_metric"] = group.paper.label(group.paper_key())
+    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+    log_points(client, run_id, group_points(comp, group))
+    client.set_terminated(run_id, "FINISHED")
+    return run_id
+
+
+def _group_note(comp: Comparison, group: Group) -> str:
+    metric = chart_key(comp)
+    shown = f"{metric} (= {group.paper.label(group.paper_key())})" if comp.metric == PAPER else metric
+    final, best = group.final(), group.best(comp.mode)
+    return (f"{group.label}: {len(group.runs)} runs (seeds {', '.join(group.seeds)}). `{metric}`: per version the mean "
+            f"over the runs of {shown} at the versions every run evaluated, `{metric}_seed_std` the std (population). "
+            f"Final (each run's last evaluation): {format_stat(final, is_accuracy(comp.metric))}; best ({comp.mode}): "
+            f"{format_stat(best, is_accuracy(comp.metric))}.")
+
+
+def comparison_note(comp: Comparison, exp_id: str, children: list[str]) -> str:
+    """The comparison run's description: what its runs hold, a link to the Compare page of the
+    groups' runs (``algorithm.name`` against the metric), the table."""
+    from rayfed_proto.tracking.links import compare_url, relative
+
+    key = chart_key(comp)
+    lines = [f"One nested run per group: `{key}` is its mean over the seeds per version (`{key}_seed_std` the std), "
+             "so the Chart view draws the groups in one chart; the banded plot is `plots/`. This run's own "
+             f"`{key}` is the best group's mean final value ({comp.mode}), for sorting the comparisons."]
+    if len(children) > 1:
+        lines.append(f"[Compare the groups]({relative(compare_url('', exp_id, children))}) (MLflow's Compare page: "
+                     f"the grouping keys against `{key}`).")
+    return "\n\n".join([*lines, comp.markdown()])
 
 
 def default_out_dir() -> Path:

@@ -1,16 +1,16 @@
 """Mean and std over a group's runs per version, as metrics of the group's run: the seed group's
-parent (``seeds/<metric>_mean``, ``seeds/<metric>_std``) and the ``compare`` run (one prefix per
-compared group: ``fedsa/eval/head_acc_mean``), at step = server version, so that those runs can be
-charted and sorted in the MLflow UI like any other; and the banded plot beside them.
+parent and each compared group's run under a ``compare`` run, at step = server version; and the
+banded plot beside them.
 
-Why these names: the UI makes one chart section per key prefix, so a group's mean and std of a
-metric sit side by side (``seeds/eval``: ``head_acc_mean``, ``head_acc_std``), apart from the
-run metrics of the same name. No Ray here.
+Why these names (issue 49): the mean over the seeds is logged under **the metric's own name**
+(``eval/head_acc``) and the std beside it as ``eval/head_acc_seed_std``, so that MLflow draws a
+group's mean in the same chart as its seed runs and as the other groups (one chart per key in the
+experiment's Chart view), and a parent sorts by ``eval/head_acc`` among the runs. ``_seed_std``,
+not ``_std``: ``eval/head_acc_std`` is a run's std across its *clients*. No Ray here.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,19 +21,13 @@ import numpy as np
 from rayfed_proto.tracking import metric_names as names
 
 SERIES = (names.EVAL_HEAD_ACC, names.EVAL_PROTO_ACC, names.EVAL_GLOBAL_ACC, names.train_term("loss"))
-SEEDS_PREFIX = "seeds"
 Curve = tuple[np.ndarray, np.ndarray, np.ndarray]  # versions, mean, std
+SEED_STD = "_seed_std"
 
 
-def group_metric(prefix: str, metric: str, stat: str) -> str:
-    """``group_metric("seeds", "eval/head_acc", "mean") -> "seeds/eval/head_acc_mean"``."""
-    return f"{prefix}/{metric}_{stat}"
-
-
-def key_part(label: str) -> str:
-    """A group label as a metric-key part: MLflow allows letters, digits, ``_ - . / :`` and spaces
-    (``fedsa algorithm.lam=0.1`` -> ``fedsa algorithm.lam:0.1``; a ``/`` would open a section)."""
-    return re.sub(r"[^A-Za-z0-9_\-.: ]", "_", label.replace("=", ":")).strip() or "group"
+def seed_std(metric: str) -> str:
+    """The key of the std over a group's seeds: ``seed_std("eval/head_acc") -> "eval/head_acc_seed_std"``."""
+    return f"{metric}{SEED_STD}"
 
 
 def mean_std_by_version(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> Optional[Curve]:
@@ -47,11 +41,12 @@ def mean_std_by_version(series: Sequence[tuple[np.ndarray, np.ndarray]]) -> Opti
     return np.array(versions, float), np.nanmean(vals, 1), np.nanstd(vals, 1)
 
 
-def curve_points(prefix: str, metric: str, curve: Curve) -> list[tuple[str, float, int]]:
-    """(key, value, step) of a curve's mean and std."""
+def curve_points(metric: str, curve: Curve, runs: int) -> list[tuple[str, float, int]]:
+    """(key, value, step) of a curve: the mean as ``metric``, the std as :func:`seed_std` (only over
+    two runs or more: one run's std is a flat 0, no chart)."""
     xs, mean, std = curve
-    return [(group_metric(prefix, metric, stat), float(v), int(x)) for stat, ys in (("mean", mean), ("std", std))
-            for x, v in zip(xs, ys, strict=True) if np.isfinite(v)]
+    stats = ((metric, mean), (seed_std(metric), std)) if runs > 1 else ((metric, mean),)
+    return [(key, float(v), int(x)) for key, ys in stats for x, v in zip(xs, ys, strict=True) if np.isfinite(v)]
 
 
 def seed_curves(histories: Sequence) -> dict[str, Curve]:
@@ -75,14 +70,14 @@ def log_points(client, run_id: str, points: list[tuple[str, float, int]]) -> Non
 
 
 def log_seed_curves(client, run_id: str, histories: Sequence, out_dir: Path, title: str) -> Optional[Path]:
-    """The seed parent's ``seeds/<metric>_mean`` / ``_std`` per version and the banded plot
+    """The seed parent's ``<metric>`` (the mean) and ``<metric>_seed_std`` per version and the banded plot
     ``plots/seeds_mean_std.png`` (also written to ``out_dir``); the plot's path, None without data."""
     from rayfed_proto.tracking.plots import plot_mean_std
 
     curves = seed_curves(histories)
     if not curves:
         return None
-    log_points(client, run_id, [p for metric, c in curves.items() for p in curve_points(SEEDS_PREFIX, metric, c)])
+    log_points(client, run_id, [p for metric, c in curves.items() for p in curve_points(metric, c, len(histories))])
     plot = plot_mean_std(curves, out_dir / "seeds_mean_std.png", title=f"{title}: mean ± std over {len(histories)} seeds")
     client.log_artifact(run_id, str(plot), "plots")
     return plot

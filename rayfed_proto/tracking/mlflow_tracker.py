@@ -43,7 +43,7 @@ def resolve_tracking_uri(uri: Optional[str]) -> str:
     return uri
 
 
-ROLE_TAG = "rfp.role"  # parent (a seed group's or a sweep's), child (a seed's or a trial's run), run, comparison
+ROLE_TAG = "rfp.role"  # parent (a seed group's, a sweep's, a compare run's), child (a seed's or a trial's run), run, comparison (a compared group)
 ROLES = ("parent", "child", "run", "comparison")
 
 

@@ -86,7 +86,8 @@ def parent_description(sweep: str, metric: str, mode: str, ranked: list[dict[str
     its swept values and score, the trials ranked (a fixed-width table in a code block: the MLflow
     UI draws a markdown table without cell padding, so its columns ran together) and the plots."""
     scored = [r for r in ranked if _is_number(r.get(metric))]
-    lines = [f"Sweep **{sweep}**: {len(ranked)} trials ranked by `{metric}` (last evaluation, {mode})."]
+    lines = [f"Sweep **{sweep}**: {len(ranked)} trials ranked by `{metric}` (last evaluation, {mode}); this parent's own "
+             f"`{metric}` is the best trial's, so the run list sorts it among its trials."]
     if scored:
         best = scored[0]
         rid = best.get("mlflow_run_id")

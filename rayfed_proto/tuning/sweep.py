@@ -398,6 +398,9 @@ def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, c
         if best_path is not None:
             client.log_artifact(parent_run_id, str(best_path))
             client.log_metric(parent_run_id, sweep_best(metric), float(scored[0][metric]))
+            # the metric itself too, at the best trial's last version: the run list sorts the parent among
+            # its trials by it (without it, sorting flattens the nesting; issue 49)
+            client.log_metric(parent_run_id, metric, float(scored[0][metric]), step=int(scored[0].get("version") or 0))
             for k in spec.space:
                 client.set_tag(parent_run_id, f"best.{k}", str(scored[0][k]))
             if scored[0].get("mlflow_run_id"):

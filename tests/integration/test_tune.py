@@ -98,6 +98,8 @@ def test_two_concurrent_trials_log_child_runs_and_the_best_config_runs(ray_sessi
     # the sweep's temporary server
     assert parent.info.status == "FINISHED" and parent.data.tags["sweep/trials"] == "2"
     assert not parent.data.metrics.keys() & {"sweep/trials", "sweep/trials_errored"}
+    # the parent's own eval/head_acc is the best trial's: sorting the run list by it keeps the nesting
+    assert parent.data.metrics["eval/head_acc"] == pytest.approx(result.ranked[0]["eval/head_acc"])
     assert "sweep/trials_errored" not in parent.data.tags
     assert "View run" not in capsys.readouterr().out
     arts = {f.path for f in client.list_artifacts(result.parent_run_id)}

@@ -280,7 +280,7 @@ def test_cli_end_to_end_logs_a_comparison_run(store, tmp_path, capsys):
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("rayfed_proto_compare")
-    (run,) = client.search_runs([exp.experiment_id])
+    (run,) = client.search_runs([exp.experiment_id], "tags.rfp.role = 'parent'")
     assert run.info.status == "FINISHED" and run.data.tags["rayfed_proto.compare"] == "1"
     assert run.data.params["experiments"] == "cmp_a, cmp_b" and run.data.params["runs_left_out"] == "6"
     assert "| fedproto | 3 (0, 1, 2) |" in run.data.tags["mlflow.note.content"]
@@ -289,21 +289,40 @@ def test_cli_end_to_end_logs_a_comparison_run(store, tmp_path, capsys):
     plots = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert plots == {"plots/eval_head_acc_vs_version.png", "plots/eval_head_acc_vs_sim_time.png"}
     assert {a.path for a in client.list_artifacts(run.info.run_id, "tables")} == {"tables/comparison.json"}
-    # issue 38: each group's mean and std per version are metrics of the comparison run (step = version)
-    assert run.data.tags["rfp.role"] == "comparison"
-    assert {"fedavg/eval/head_acc_mean", "fedavg/eval/head_acc_std", "fedproto/eval/head_acc_mean"} <= set(run.data.metrics)
-    mean = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "fedavg/eval/head_acc_mean")}
-    std = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "fedavg/eval/head_acc_std")}
-    assert sorted(mean) == list(STEPS)
+    # issue 49: one nested run per group, the same metric names (the mean over seeds per version, the
+    # std beside it), so that MLflow draws the groups in one chart; the parent sorts by the best group's final mean
+    groups = client.search_runs([exp.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    by_name = {g.info.run_name: g for g in groups}
+    assert sorted(by_name) == ["fedavg", "fedproto"]
+    for g in groups:
+        assert g.info.status == "FINISHED" and g.data.tags["rfp.role"] == "comparison" and "rayfed_proto.compare" in g.data.tags
+        assert g.data.params["seeds"] == "0,1,2" and g.data.params["n_seeds"] == "3"
+    fedavg, fedproto = by_name["fedavg"], by_name["fedproto"]
+    assert fedavg.data.params["algorithm.name"] == "fedavg"
+    assert set(fedavg.data.metrics) == {"eval/head_acc", "eval/head_acc_seed_std"}
+    assert set(fedproto.data.metrics) == {"eval/head_acc", "eval/head_acc_seed_std", "eval/proto_acc",
+                                          "eval/proto_acc_seed_std"}
+    mean = {m.step: m.value for m in client.get_metric_history(fedavg.info.run_id, "eval/head_acc")}
+    std = {m.step: m.value for m in client.get_metric_history(fedavg.info.run_id, "eval/head_acc_seed_std")}
+    assert sorted(mean) == sorted(std) == list(STEPS)
     assert mean[15] == pytest.approx(sum(v[2] for v in FEDAVG.values()) / 3)
     assert std[15] == pytest.approx(_std(*(v[2] for v in FEDAVG.values())))
+    proto = {m.step: m.value for m in client.get_metric_history(fedproto.info.run_id, "eval/proto_acc")}
+    assert proto == {15: pytest.approx(sum(PROTO.values()) / 3)}
+    # FedProto's mean final head accuracy (0.85) beats FedAvg's (0.60): the parent's eval/head_acc, at the last version
+    (best,) = client.get_metric_history(run.info.run_id, "eval/head_acc")
+    assert (best.value, best.step) == (pytest.approx(sum(v[2] for v in FEDPROTO.values()) / 3), 15)
+    assert set(run.data.metrics) == {"eval/head_acc"}
+    note = run.data.tags["mlflow.note.content"]
+    assert "[Compare the groups](#/compare-runs?runs=" in note and "workflowType=machine_learning" in note
     assert "MLflow: comparison run" in printed and "workflowType=machine_learning" in printed
 
     # a comparison run is never compared itself; --no-log logs nothing more
     assert main(["compare", "cmp_a", "rayfed_proto_compare", "--tracking-uri", uri, "--out", str(tmp_path / "2"),
                  "--no-log"]) == 0
-    assert f"run {run.info.run_id}" in capsys.readouterr().out
-    assert len(client.search_runs([exp.experiment_id])) == 1
+    out2 = capsys.readouterr().out
+    assert f"run {run.info.run_id}" in out2 and f"run {fedavg.info.run_id}" in out2
+    assert len(client.search_runs([exp.experiment_id])) == 3
 
 
 def test_cli_unknown_experiment_exits_2(store, capsys):
@@ -313,3 +332,20 @@ def test_cli_unknown_experiment_exits_2(store, capsys):
     assert main(["compare", "nope", "--tracking-uri", uri, "--no-log"]) == 2
     err = capsys.readouterr().err
     assert "error: unknown experiment 'nope'" in err and "cmp_a, cmp_b" in err
+
+
+def test_paper_metric_comparison_charts_every_method_under_one_key(store, tmp_path):
+    """--metric paper: each group's own paper metric, logged under one key (eval/paper_metric) so the
+    methods share a chart; the key each group was read at is its param."""
+    from mlflow.tracking import MlflowClient
+
+    uri, _ = store
+    comp = cmp.compare(["cmp_b"], tracking_uri=uri, metric=cmp.PAPER)
+    parent = cmp.log_comparison(comp, cmp.write_outputs(comp, tmp_path), "paper_cmp")
+    client = MlflowClient(uri)
+    (group,) = client.search_runs([client.get_experiment_by_name("paper_cmp").experiment_id],
+                                  f"tags.mlflow.parentRunId = '{parent}'")
+    assert group.data.params["paper_metric"].startswith("eval/proto_acc")
+    assert set(group.data.metrics) == {"eval/paper_metric", "eval/paper_metric_seed_std"}
+    assert group.data.metrics["eval/paper_metric"] == pytest.approx(sum(PROTO.values()) / 3)
+    assert group.data.metrics["eval/paper_metric_seed_std"] == pytest.approx(_std(*PROTO.values()))
