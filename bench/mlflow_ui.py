@@ -315,7 +315,7 @@ def main() -> int:
     out = Path(args.out)
     # every page by the link `rayfed-proto ui` and the end of a run print (tracking/links.py): the model-training
     # view, `?workflowType=machine_learning`; a run's tab or artifact is its path before that query
-    from rayfed_proto.tracking.links import ML_VIEW, experiment_url, run_url
+    from rayfed_proto.tracking.links import ML_VIEW, compare_url, experiment_url, run_url
 
     def run_link(experiment: str, run: str, tab: str = "") -> str:
         return run_url("", experiment, run).replace("?", f"{tab}?", 1).lstrip("/")
@@ -348,7 +348,12 @@ def main() -> int:
                   ("seeds_parent_metrics", run_link(sexp, seeds_id, "/model-metrics"), args.height, None, None, None)]
     if comparison_id:
         cexp = client.get_run(comparison_id).info.experiment_id
+        children = [r.info.run_id for r in client.search_runs([cexp], f"tags.mlflow.parentRunId = '{comparison_id}'")]
         pages += [("compare_run_metrics", run_link(cexp, comparison_id, "/model-metrics"), args.height, None, None,
+                   None),
+                  # the methods in one chart: MLflow's Compare page of the comparison's group runs (the link its
+                  # description gives)
+                  ("compare_methods_page", compare_url("", cexp, children).lstrip("/"), args.height + 600, None, None,
                    None)]
     if args.only:
         pages = [pg for pg in pages if pg[0] in args.only]
