@@ -46,14 +46,23 @@ def test_the_option_and_its_error():
 # ----------------------------------------------------------------------------- sync + partial: the round's uploads
 
 
+# FedSC's paper variant (its code variant's scope is buffer in every mode: the authors' round)
 @pytest.mark.parametrize("name,extra", [("fedsc", {"model": {"group": "HtFE1"}}), ("fedprotokd", {})])
 def test_sync_partial_participation_uses_the_rounds_uploads_and_refuses_latest(name, extra):
+    algo = {"name": name, **({"variant": "paper"} if name == "fedsc" else {})}
     sync = {**extra, "federation": {"mode": "sync", "participation": 0.5}}
-    assert build_config({**sync, "algorithm": {"name": name}}).algorithm_options().aggregation_scope == "buffer"
+    assert build_config({**sync, "algorithm": algo}).algorithm_options().aggregation_scope == "buffer"
     with pytest.raises(ConfigError, match=r"algorithm.aggregation_scope = 'latest': buffer .* participation 0.5 < 1"):
-        build_config({**sync, "algorithm": {"name": name, "aggregation_scope": "latest"}})
+        build_config({**sync, "algorithm": {**algo, "aggregation_scope": "latest"}})
     # async keeps the method's own default (every client's latest upload, staleness-weighted)
-    assert build_config({**extra, "algorithm": {"name": name}}).algorithm_options().aggregation_scope == "latest"
+    assert build_config({**extra, "algorithm": algo}).algorithm_options().aggregation_scope == "latest"
+
+
+def test_fedsc_code_variant_aggregates_the_rounds_uploads_in_every_mode():
+    """hwang52/FedSC main_fedsc.py rebuilds the relational prototypes from the round's sampled clients."""
+    for mode in ("sync", "async"):
+        cfg = build_config({"model": {"group": "HtFE1"}, "federation": {"mode": mode}, "algorithm": {"name": "fedsc"}})
+        assert cfg.algorithm_options().aggregation_scope == "buffer"
 
 
 def test_fedscs_former_key_name_still_chooses_the_scope_in_sync_mode():
