@@ -367,7 +367,7 @@ def _finish(run: RunState, final_version: int) -> RunResult:
     cfg, scheduler, tracker = run.cfg, run.scheduler, run.tracker
     startup = scheduler.first_update_unix - run.started_unix if scheduler.first_update_unix is not None else None
     if cfg.checkpoint.every:  # at the end version, so that the run can be continued with more rounds
-        scheduler.recovery.checkpoint()  # before the counters: a failure here is counted too
+        scheduler.checkpoint()  # before the counters: a failure here is counted too
     tracker.log_metrics(counters.end_counters(scheduler.stats, run.history, final_version)  # each evaluation: as of its version
                         | ({names.FEDERATION_STARTUP_S: startup} if startup is not None else {}), step=final_version)
     if run.bar is not None:

@@ -39,7 +39,8 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from rayfed_proto.registry import Registry, load_plugins
-from rayfed_proto.runtime.simclock import SimEntry, VirtualClock
+from rayfed_proto.runtime.inflight import Pending
+from rayfed_proto.runtime.simclock import VirtualClock
 
 
 @dataclass(frozen=True)
@@ -51,21 +52,6 @@ class ServerNeeds:
     max_staleness: float  # accepted updates trained at most this many versions ago
     steps_on_request: bool = False  # with a buffer size, no inline step: the driver asks (the server's simulated time)
     client_order: bool = False  # a step aggregates its updates in client order, not arrival order (reproducible rounds)
-
-
-@dataclass
-class Pending:
-    """One entry of the scheduler's in-flight table: what the ref is and who handles it."""
-
-    handler: Callable[[Any, Pending], None]
-    kind: str  # "train" | "receipt" | "step" | "eval" | "versions" | "discard"
-    client: int = -1
-    update_ref: Any = None
-    version: int = -1
-    actor: int = -1
-    entry: Optional[SimEntry] = None  # virtual clock: the update's simulated timing
-    update_no: int = -1  # the client's local updates done after this one (train: known once back)
-    ticket: int = -1  # receipt: its submission's number (evaluations wait for earlier receipts)
 
 
 class Port(Protocol):

@@ -13,7 +13,8 @@ from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState
 from rayfed_proto.runtime.core import ClientHost
 from rayfed_proto.runtime.evaluations import Evaluations
-from rayfed_proto.runtime.policies import AsyncSlots, Pending, ServerNeeds, SyncRounds, VirtualAsync, make_policy
+from rayfed_proto.runtime.inflight import InFlight, Kind, Pending
+from rayfed_proto.runtime.policies import AsyncSlots, ServerNeeds, SyncRounds, VirtualAsync, make_policy
 from rayfed_proto.runtime.scheduler import SchedulerStats
 
 
@@ -295,12 +296,14 @@ def test_eligible_clients_are_the_idle_not_excluded_ones_in_client_order():
     from rayfed_proto.runtime.scheduler import Scheduler
 
     actor_of = {c: c % 3 for c in range(50)}
-    inflight = {i: SimpleNamespace(kind=k, client=c) for i, (k, c) in enumerate([("train", 4), ("eval", 5), ("train", 30)])}
+    inflight = InFlight()
+    for i, (k, c) in enumerate([(Kind.TRAIN, 4), (Kind.EVAL, 5), (Kind.TRAIN, 30)]):
+        inflight.add(i, Pending(None, k, client=c, actor=actor_of[c]))
     s = SimpleNamespace(inflight=inflight, actor_of=actor_of, stats=SimpleNamespace(excluded=[7, 4]))
     want = [c for c in range(50) if c not in (4, 7, 30)]  # an evaluation in flight does not make a client busy
     assert Scheduler.eligible(s) == want and all(type(c) is int for c in Scheduler.eligible(s))
     assert Scheduler.eligible(s, one_per_actor=True) == [c for c in want if actor_of[c] == 2]  # workers 1, 0 busy
-    s.stats.excluded, s.inflight = [], {}
+    s.stats.excluded, s.inflight = [], InFlight()
     assert Scheduler.eligible(s) == list(range(50))
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from rayfed_proto.config import ConfigError, build_config
-from rayfed_proto.runtime.policies import Pending, SyncRounds, make_policy
+from rayfed_proto.runtime.inflight import Pending
+from rayfed_proto.runtime.policies import SyncRounds, make_policy
 from rayfed_proto.runtime.simclock import VirtualClock
 from rayfed_proto.system import SystemModel
 

@@ -53,7 +53,7 @@ class Federation:
         return [c for c in range(self.n) if c not in self.busy]
 
     def dispatch(self, client):
-        from rayfed_proto.runtime.policies import Pending
+        from rayfed_proto.runtime.inflight import Pending
 
         self.busy.add(client)
         self.trained_on.append((client, self.version))

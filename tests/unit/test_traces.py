@@ -241,7 +241,7 @@ class Port:
         return self.version < self.rounds
 
     def dispatch(self, client):
-        from rayfed_proto.runtime.policies import Pending
+        from rayfed_proto.runtime.inflight import Pending
 
         self.dispatched.append(client)
         return Pending(lambda *a: None, "train", client=client)
@@ -293,7 +293,7 @@ def test_sync_round_goes_on_without_a_dropped_update_and_lasts_until_the_client_
     policy.fill()
     assert sorted(port.dispatched) == [0, 1]
     entries = {e.client: e for e in policy.clock.entries.values()}
-    from rayfed_proto.runtime.policies import Pending
+    from rayfed_proto.runtime.inflight import Pending
 
     for c in (0, 1):
         p = Pending(lambda *a: None, "train", client=c, entry=entries[c])
