@@ -272,11 +272,9 @@ def _start(run: RunState) -> None:
     cfg, fed, plan = run.cfg, run.cfg.federation, run.plan
     run.fleet.new_server()
     run.fleet.setup_workers()
-    concurrency = (f"concurrency {plan.concurrency}" if run.policy.clock is None else
-                   f"virtual clock: {run.policy.concurrency} clients at once simulated on {plan.concurrency} real slots")
     run.echo(f"starting {len(run.groups)} client actors ({fed.num_clients} clients, up to {plan.clients_per_actor} per "
              f"actor) and 1 server actor; per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; "
-             f"{concurrency}")
+             f"{run.policy.start_label(plan.concurrency)}")
     if run.ckpt is None:
         run.run_log.new_run(run.out, eval_sample(fed.eval_clients, fed.num_clients, cfg.seed))
     run.fleet.wait_started(cfg.resources.placement_timeout_s, run.progress)

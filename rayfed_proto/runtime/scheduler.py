@@ -424,9 +424,7 @@ class Scheduler:
     def _counters(self, version: int) -> tuple:
         """The run's counters when ``version`` is formed: its evaluation reports them, however
         much later it ends. With a virtual clock the server's are read at once (reproducible)."""
-        server_stats = self.server.stats.remote(version)
-        if self.policy.clock is not None:
-            server_stats = ray.get(server_stats)
+        server_stats = self.policy.server_counters(self.server.stats.remote(version), ray.get)
         stats = dataclasses.replace(self.stats, last_terms=dict(self.stats.last_terms),
                                     client_updates=dict(self.stats.client_updates),
                                     client_dropped_offline=dict(self.stats.client_dropped_offline),

@@ -11,11 +11,12 @@ import torch
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime.core import ClientHost
+from rayfed_proto.runtime.client_core import ClientHost
 from rayfed_proto.runtime.evaluations import Evaluations
 from rayfed_proto.runtime.inflight import InFlight, Kind, Pending
 from rayfed_proto.runtime.policies import AsyncSlots, ServerNeeds, SyncRounds, VirtualAsync, make_policy
 from rayfed_proto.runtime.scheduler import SchedulerStats
+from rayfed_proto.runtime.stepping import OnRequest, ServerThread, SimulatedSteps
 
 
 def fed(**over):
@@ -35,15 +36,15 @@ class FakeSystem:  # what VirtualClock reads of a system model
 def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_needs():
     sync = make_policy(fed(mode="sync", num_clients=10, participation=0.25), None, seed=0, real_slots=2)
     assert isinstance(sync, SyncRounds) and sync.per_round == 3  # ceil(0.25 x 10)
-    assert sync.needs == ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf, client_order=True)
+    assert sync.needs == ServerNeeds(OnRequest(), max_staleness=math.inf)  # the driver asks; a round in client order
     assert not sync.waits_for_versions and sync.clock is None
     real = make_policy(fed(mode="async", buffer_size=3, max_staleness=7), None, seed=0, real_slots=2)
     assert isinstance(real, AsyncSlots) and real.concurrency == 2
-    assert real.needs == ServerNeeds(buffer_size=3, background=True, max_staleness=7) and real.waits_for_versions
+    assert real.needs == ServerNeeds(ServerThread(3), max_staleness=7) and real.waits_for_versions
     virtual = make_policy(fed(mode="async", buffer_size=3, num_clients=6, concurrency=4), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(virtual, VirtualAsync) and virtual.concurrency == 4 and virtual.clock is not None
     # no inline step: the policy steps the server when its simulated step ends (the server's time on the clock)
-    assert virtual.needs == ServerNeeds(buffer_size=3, background=False, max_staleness=20, steps_on_request=True)
+    assert virtual.needs == ServerNeeds(SimulatedSteps(3), max_staleness=20) and virtual.needs.buffer_size == 3
     assert not virtual.waits_for_versions
     sync_clock = make_policy(fed(mode="sync"), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(sync_clock, SyncRounds) and sync_clock.clock is not None
@@ -116,7 +117,7 @@ def test_sync_rounds_dispatch_a_seeded_sample_and_step_once_every_update_is_in_o
 
 
 def test_async_slots_fill_idle_actors_up_to_the_concurrency_and_hold_back_when_a_version_waits():
-    policy = AsyncSlots(4, concurrency=2, needs=ServerNeeds(2, True, 20), rng=np.random.default_rng(0))
+    policy = AsyncSlots(4, concurrency=2, needs=ServerNeeds(ServerThread(2), 20), rng=np.random.default_rng(0))
     port = FakePort(4, actor_of={0: 0, 1: 0, 2: 1, 3: 1})
     policy.bind(port)
     policy.fill()

@@ -218,6 +218,7 @@ def test_the_scheduler_counts_round_drops_per_client_and_resumes_them_and_old_ch
 def test_the_summary_row_and_final_counters_show_round_drops_only_for_selective_rounds():
     from rayfed_proto.runtime.policies import AsyncSlots, ServerNeeds
     from rayfed_proto.runtime.scheduler import SchedulerStats
+    from rayfed_proto.runtime.stepping import ServerThread
     from rayfed_proto.tracking import metric_names as names
     from rayfed_proto.tracking.round_metrics import dispatch_counters
 
@@ -234,7 +235,7 @@ def test_the_summary_row_and_final_counters_show_round_drops_only_for_selective_
     over_only, _ = policy(per_round=2, over_selection=2.0)
     assert "deadline" not in over_only.summary_rows(stats)["updates dropped by the round"]
     assert policy(per_round=2)[0].summary_rows(stats) == offline  # plain sync rounds (with a clock): no round row
-    real_time = AsyncSlots(6, 2, ServerNeeds(2, True, 5), np.random.default_rng(0))
+    real_time = AsyncSlots(6, 2, ServerNeeds(ServerThread(2), 5), np.random.default_rng(0))
     assert real_time.summary_rows(stats) == {}  # no clock: no client goes offline, no rounds
     assert dispatch_counters(stats) == {names.FEDERATION_UPDATES_DISPATCHED: 260,
                                         names.FEDERATION_UPDATES_DROPPED_OFFLINE: 3,
