@@ -185,7 +185,7 @@ class BasePolicy:
     The class methods are what the rest of the project asks of a mode before a run starts (config
     rules, resource needs, the availability bound); the instance is the running federation."""
 
-    rounds: bool = True  # the federation runs in rounds (False: an algorithm's async_config_defaults apply)
+    in_rounds: bool = True  # the federation runs in rounds (False: an algorithm's roundless_config_defaults apply)
     waits_for_versions = False
     clock: Optional[VirtualClock] = None
     port: Port
@@ -438,7 +438,7 @@ class SyncRounds(BasePolicy):
 class _Buffered(BasePolicy):
     """What the two asynchronous policies share before a run: a version every K accepted updates."""
 
-    rounds = False
+    in_rounds = False
 
     @classmethod
     def config_issues(cls, federation, virtual_clock: bool) -> list[Issue]:

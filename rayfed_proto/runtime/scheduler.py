@@ -117,8 +117,6 @@ class Hooks:
 
 
 class Scheduler:
-    evaluate_first = False  # evaluations before the next dispatch: the measured alternative (docs/benchmarks.md, "Where an evaluation runs")
-
     def __init__(self, policy: FederationPolicy, server, actors: list, actor_clients: list[list[int]], limits: Limits,
                  hooks: Hooks, progress=None, batch_clients: bool = False):
         if progress is None:
@@ -287,8 +285,6 @@ class Scheduler:
 
     def _loop(self) -> None:
         while self._work_left():
-            if self.evaluate_first:
-                self.evals.start_ready(self._launch_eval)
             self.policy.fill()  # takes no new work while draining
             # after the dispatch: on each worker the evaluation queues behind the next updates and
             # overlaps the server's work; it still sees each client as of its version (evaluations.py)
