@@ -30,7 +30,7 @@ from rayfed_proto.config import ExperimentConfig
 from rayfed_proto.runtime import preparation, runfolder, signals
 from rayfed_proto.runtime.evaluations import eval_sample
 from rayfed_proto.runtime.policies import make_policy
-from rayfed_proto.runtime.preparation import checkpoint_store, ensure_ray, resume_point  # noqa: F401  (the driver's API)
+from rayfed_proto.runtime.preparation import checkpoint_store, ensure_ray  # noqa: F401  (checkpoint_store: seeds.py imports it here)
 from rayfed_proto.runtime.progress import NoProgressError, ProgressWatch
 from rayfed_proto.runtime.resources import assign_clients
 from rayfed_proto.runtime.run_state import RunResult, RunState
