@@ -2,11 +2,11 @@
 keeps for evaluations: all without Ray (runtime/policies.py, runtime/evaluations.py, ClientHost)."""
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from doubles import FakePort
 
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
@@ -51,42 +51,6 @@ def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_need
 
 
 # ----------------------------------------------------------------------------- policies on a fake port
-
-
-class FakePort:
-    def __init__(self, clients: int, actor_of=None, rounds: int = 5):
-        self.version, self.rounds = 0, rounds
-        self.actor_of = actor_of or {c: c for c in range(clients)}
-        self.log: list[tuple] = []
-        self.in_flight: dict[int, Pending] = {}
-
-    def accepting(self) -> bool:
-        return self.version < self.rounds
-
-    def dispatch(self, client: int) -> Pending:
-        self.log.append(("dispatch", client))
-        p = self.in_flight[client] = Pending(handler=None, kind="train", client=client)
-        return p
-
-    def dispatch_group(self, clients):
-        return [self.dispatch(c) for c in clients]
-
-    def submit(self, p: Pending, meta: dict[str, Any]) -> None:
-        self.log.append(("submit", p.client))
-        self.in_flight.pop(p.client)
-
-    def request_step(self) -> None:
-        self.log.append(("step",))
-
-    def eligible(self, one_per_actor: bool = False) -> list[int]:
-        busy_actors = {self.actor_of[c] for c in self.in_flight} if one_per_actor else set()
-        return [c for c in sorted(self.actor_of) if c not in self.in_flight and self.actor_of[c] not in busy_actors]
-
-    def training(self) -> int:
-        return len(self.in_flight)
-
-    def account(self, client: int, meta: dict[str, Any]) -> None:
-        self.log.append(("account", client))
 
 
 def test_sync_rounds_dispatch_a_seeded_sample_and_step_once_every_update_is_in_or_lost():
