@@ -6,8 +6,8 @@ the figures are simulated seconds and do not depend on this machine. Rows:
 
 * ``sync``: rounds of ceil(0.2 x 50) = 10 sampled clients; a round lasts as long as its slowest;
 * ``async``: 10 clients training at once (the same concurrency), a version every 5 updates
-  (buffer 5); prototype methods use their staleness-weighted banks, FedAvg its default policy;
-* ``fedbuff`` (weight-sharing methods only): the same, with FedBuff's server policy;
+  (buffer 5); prototype methods use their staleness-weighted banks, FedAvg its default server rule;
+* ``fedbuff`` (weight-sharing methods only): the same, with FedBuff's server rule;
 * ``fedasync`` (weight-sharing methods only): FedAsync's mixing, one update per version.
 
 Every row does the same number of local updates (rounds x updates per version), so async is

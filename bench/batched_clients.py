@@ -5,7 +5,7 @@ batched path on the same device, measured in the same run (so the ratio holds on
 The workload: `synthetic` data of MNIST's shape (1x28x28), Dirichlet 0.1 over ``--clients``
 clients, batch 10, 1 local epoch, FedProto (lambda 10) or FedAvg, ``--group`` HtFE1 (the FedAvg CNN
 for every client) or HtFE8 (8 architectures: clients of one architecture batch together). Every
-client is hosted by one :class:`~rayfed_proto.runtime.core.ClientHost` (one worker holding all of
+client is hosted by one :class:`~rayfed_proto.runtime.client_core.ClientHost` (one worker holding all of
 them, as ``resources.clients_per_actor`` = clients). Each mode runs ``--rounds`` local updates of
 every client against the same empty state after one warm-up round (CUDA context, cuDNN plans,
 vmap's first trace); the figure is the median round. On a GPU the peak memory of each mode is
@@ -54,7 +54,7 @@ def build(args):
 
 def measure(args, cfg, ds, part, mode: str, device: torch.device) -> dict:
     from rayfed_proto.messages import GlobalState
-    from rayfed_proto.runtime.core import ClientHost
+    from rayfed_proto.runtime.client_core import ClientHost
 
     cfg = cfg.model_copy(update={"resources": cfg.resources.model_copy(update={"batch_clients": mode})})
     if device.type == "cuda":

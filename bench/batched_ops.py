@@ -86,7 +86,8 @@ class Counter(TorchDispatchMode):
 def instrumented(counter: Counter):
     """Tag the work by architecture and count steps and ``tolist`` reads while it runs."""
     from rayfed_proto.algorithms import base
-    from rayfed_proto.runtime import batched, core
+    from rayfed_proto.runtime import batched
+    from rayfed_proto.runtime import client_core as core
 
     saved = (core.ClientRunner.train, batched.train_together, base.StepTally.step,
              batched.BatchedUpdate._step_group, torch.Tensor.tolist, base.TrainBatchIterator.epoch)
@@ -144,7 +145,7 @@ def instrumented(counter: Counter):
 
 def round_counts(args, cfg, ds, part, mode: str) -> tuple[Counter, list[str]]:
     from rayfed_proto.messages import GlobalState
-    from rayfed_proto.runtime.core import ClientHost
+    from rayfed_proto.runtime.client_core import ClientHost
 
     cfg = cfg.model_copy(update={"resources": cfg.resources.model_copy(update={"batch_clients": mode})})
     host = ClientHost(cfg, ds, list(part.clients), torch.device("cpu"))

@@ -21,7 +21,7 @@ import torch
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime.core import ClientRunner
+from rayfed_proto.runtime.client_core import ClientRunner
 
 
 def main() -> None:

@@ -131,7 +131,8 @@ def guard_scenarios(tmp: Path, rounds: int):
     from mlflow.tracking import MlflowClient
 
     from rayfed_proto.config import InputError, build_config
-    from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+    from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+    from rayfed_proto.runtime.preparation import checkpoint_store
     from rayfed_proto.runtime.progress import NoProgressError
     from rayfed_proto.runtime.runfolder import RunFolderLock
 
@@ -341,7 +342,8 @@ def issue40_guards(tmp: Path, cfg, uri: str):
     from mlflow.tracking import MlflowClient
 
     from rayfed_proto.config import ConfigError, InputError, build_config
-    from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+    from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+    from rayfed_proto.runtime.preparation import checkpoint_store
     from rayfed_proto.runtime.runfolder import RunFault
     from rayfed_proto.tracking import run_end
 

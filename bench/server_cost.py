@@ -27,9 +27,10 @@ import torch
 
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
-from rayfed_proto.runtime.core import ClientRunner, ServerCore
+from rayfed_proto.runtime.client_core import ClientRunner
 from rayfed_proto.runtime.policies import make_policy
 from rayfed_proto.runtime.preparation import system_model as _system_model
+from rayfed_proto.runtime.server_core import ServerCore
 
 COMMON = ["data.name=digits", "data.partition.beta=0.5", "data.partition.min_samples=20", "model.group=small_hetero",
           "federation.num_clients=8", "federation.mode=async", "federation.buffer_size=4",

@@ -34,7 +34,7 @@ def main() -> None:
     from rayfed_proto.config import build_config
     from rayfed_proto.data import load_dataset, make_partition
     from rayfed_proto.messages import GlobalState
-    from rayfed_proto.runtime.core import ClientRunner
+    from rayfed_proto.runtime.client_core import ClientRunner
 
     cfg = build_config({}, ["data.name=synthetic", f"data.num_samples={int(args.samples / 0.75) + 10}", "data.image_size=28",
                             "data.partition.name=iid", "federation.num_clients=1", "federation.mode=sync", "model.group=HtFE1",

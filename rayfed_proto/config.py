@@ -27,7 +27,6 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rayfed_proto.numbers import STRICT_NUMBER, StrictNumbers
-from rayfed_proto.runtime import policies
 from rayfed_proto.runtime.policies import POLICIES
 
 Auto = Literal["auto"]
@@ -758,7 +757,7 @@ def resolved_config(cfg_dict: dict[str, Any]) -> ExperimentConfig:
 def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
     """Fill the chosen algorithm's ``config_defaults`` (dotted keys outside ``algorithm.``, e.g.
     ``model.normalize_features`` for FedLSA) wherever the user left the key unset, so a method's
-    requirements are on by default yet stay overridable, plus its ``async_config_defaults`` when
+    requirements are on by default yet stay overridable, plus its ``roundless_config_defaults`` when
     the federation's policy runs without rounds (``async``, the default); unset ``Optional`` data holdouts fall back to 0 here."""
     from rayfed_proto.algorithms import ALGORITHMS
     from rayfed_proto.algorithms.base import SameAs
@@ -771,8 +770,8 @@ def _apply_algorithm_defaults(raw: dict[str, Any]) -> None:
         mode = FederationConfig().mode if mode is None else mode
         options = {k: v for k, v in algo.items() if k != "name"} if isinstance(algo, dict) else {}
         # an unknown mode gets no mode defaults here; validation names the registered ones
-        rounds = POLICIES.get(mode).rounds if isinstance(mode, str) and mode in POLICIES else True
-        defaults.update(ALGORITHMS.get(name).defaults_for(options, rounds=rounds))
+        in_rounds = POLICIES.get(mode).in_rounds if isinstance(mode, str) and mode in POLICIES else True
+        defaults.update(ALGORITHMS.get(name).defaults_for(options, in_rounds=in_rounds))
     copies = {dotted: value for dotted, value in defaults.items() if isinstance(value, SameAs)}
     for dotted, value in defaults.items():
         if dotted not in copies:
@@ -910,9 +909,9 @@ def _round_scope_issues(cfg: ExperimentConfig) -> list[ConfigIssue]:
     the uploads of clients not sampled this round (stale) would enter the round, which no paper
     does (their S_t is the round's sampled clients); refused (docs/configuration.md)."""
     fed = cfg.federation
-    rounds = fed.mode in POLICIES and POLICIES.get(fed.mode).rounds
+    in_rounds = fed.mode in POLICIES and POLICIES.get(fed.mode).in_rounds
     scope = getattr(cfg.algorithm_options(), "aggregation_scope", None)
-    if not (rounds and scope == "latest" and fed.participation < 1):
+    if not (in_rounds and scope == "latest" and fed.participation < 1):
         return []
     return [ConfigIssue(key="algorithm.aggregation_scope", value=scope, allowed=(
         f"buffer (this round's uploads, the default when the federation runs in rounds) with federation.mode "
@@ -1017,16 +1016,6 @@ def group_is_homogeneous(group: str, num_clients: int) -> bool:
 
     archs = MODEL_GROUPS.get(group)
     return len(set(archs[:num_clients])) == 1  # the first min(num_clients, len(archs)) are every one used
-
-
-def clients_per_round(cfg: ExperimentConfig) -> int:
-    """ceil(participation x num_clients) (the policies' arithmetic, :func:`runtime.policies.clients_per_round`)."""
-    return policies.clients_per_round(cfg.federation)
-
-
-def simulated_concurrency(cfg: ExperimentConfig) -> int:
-    """Virtual clock: clients training at once in the simulated federation (:func:`runtime.policies.simulated_concurrency`)."""
-    return policies.simulated_concurrency(cfg.federation)
 
 
 # With --resume, --set may change how a run goes on, not what it is: the model, data, method and

@@ -1,14 +1,14 @@
-"""Server policies for the methods that exchange whole models (FedAvg, FedLSA, FedSC).
+"""Server rules for the methods that exchange whole models (FedAvg, FedLSA, FedSC).
 
-Plain numpy, no Ray; unit-tested in ``tests/unit/test_async_policies.py``. The runtime hands
+Plain numpy, no Ray; unit-tested in ``tests/unit/test_server_rules.py``. The runtime hands
 ``aggregate`` a buffer of K accepted updates (K = ``federation.buffer_size`` in async mode,
-the whole round in sync mode) and knows nothing about these policies: they are the method's
+the whole round in sync mode) and knows nothing about these rules: they are the method's
 options (``algorithm.server_rule`` and the keys below), and the client and the server read
 the same options.
 
 Staleness of an update (``staleness``): versions produced while its client trained,
 ``version - 1 - base_version`` when version ``version`` is being produced -- 0 for an update
-trained on the newest model, so every policy's staleness scale is 1 in sync mode.
+trained on the newest model, so every rule's staleness scale is 1 in sync mode.
 
 ``mix`` (this platform's rule, the default)::
 

@@ -492,13 +492,13 @@ class Algorithm:
     # Further defaults that apply only when the federation runs without rounds (federation.mode
     # async: versions every K accepted updates; dotted keys, ``algorithm.*`` included), on top of
     # ``config_defaults``; a value the user sets always wins.
-    async_config_defaults: ClassVar[dict[str, Any]] = {}
+    roundless_config_defaults: ClassVar[dict[str, Any]] = {}
 
     @classmethod
-    def defaults_for(cls, options: dict[str, Any], rounds: bool) -> dict[str, Any]:
+    def defaults_for(cls, options: dict[str, Any], in_rounds: bool) -> dict[str, Any]:
         """The config defaults of a run of this method: ``config_defaults``, plus
-        ``async_config_defaults`` when the federation has no rounds (``rounds`` False: the policy's
-        ``rounds``, e.g. async mode). ``options`` are the ``algorithm.*`` keys as the user wrote them
+        ``roundless_config_defaults`` when the federation has no rounds (``in_rounds`` False: the policy's
+        ``in_rounds``, e.g. async mode). ``options`` are the ``algorithm.*`` keys as the user wrote them
         (not validated yet): a method whose run-level defaults depend on one of its options (FedSC's
         ``variant``) overrides this. A value may be a :class:`SameAs`; a value the user sets always wins.
 
@@ -506,9 +506,9 @@ class Algorithm:
         round's uploads (``buffer``): the papers' S_t, the clients sampled this round. ``latest``
         there would mix in the last uploads of clients not sampled (config refuses it with
         participation < 1); a method's ``latest`` default is its async-mode default."""
-        defaults = {**cls.config_defaults, **(cls.async_config_defaults if not rounds else {})}
+        defaults = {**cls.config_defaults, **(cls.roundless_config_defaults if not in_rounds else {})}
         # prototype_scope: FedSC's former name of the key; a user who set it chose the scope
-        if rounds and "aggregation_scope" in cls.Options.model_fields and "prototype_scope" not in options:
+        if in_rounds and "aggregation_scope" in cls.Options.model_fields and "prototype_scope" not in options:
             defaults.setdefault("algorithm.aggregation_scope", "buffer")
         return defaults
 

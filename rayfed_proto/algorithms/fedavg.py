@@ -65,7 +65,7 @@ class FedAvgOptions(Options):
     """Options of FedAvg, inherited by FedLSA and FedSC: how the buffered models enter the global model."""
 
     server_rule: ServerRule = Field(
-        "mix", description="server policy for a buffer of (possibly stale) updates: 'mix' (this platform's "
+        "mix", description="server rule for a buffer of (possibly stale) updates: 'mix' (this platform's "
         "staleness-weighted mixing, default), 'fedasync' (Xie et al. 2019) or 'fedbuff' (Nguyen et al. 2022; "
         "clients upload their model delta)")
     server_lr: float = Field(

@@ -34,7 +34,7 @@ class FedProtoOptions(PrototypeOptions):
                                                        "(reference code, default) or an eval-mode pass after training")
     # the reference server replaces its bank with each round's aggregate (HtFLlib serverproto.py:
     # global_protos = proto_aggregation(uploaded_protos)) and clientproto.py test_metrics scores
-    # against it; async mode defaults to last_seen (FedProto.async_config_defaults: no rounds there)
+    # against it; async mode defaults to last_seen (FedProto.roundless_config_defaults: no rounds there)
     inference_memory: Literal["round", "last_seen"] = Field(
         "round", description="nearest-prototype inference against the classes of the latest aggregation only "
         "(reference code, default in sync mode) or every class's last vector (default in async mode)")
@@ -61,4 +61,4 @@ class FedProto(Algorithm):
     Client = PrototypeAlignmentClient
     Server = PrototypeServer
     # a version of K buffered updates is no round of the sampled clients: keep every class's last vector
-    async_config_defaults = {"algorithm.inference_memory": "last_seen"}
+    roundless_config_defaults = {"algorithm.inference_memory": "last_seen"}

@@ -90,7 +90,7 @@ class FedSAOptions(PrototypeOptions):
         "prototypes", description="nearest-prototype inference against the server's aggregated client prototypes "
         "(authors' test_metrics) or against the anchors")
     # the authors' serversa.py replaces global_protos with each round's proto_aggregation; async
-    # mode defaults to last_seen (FedSA.async_config_defaults)
+    # mode defaults to last_seen (FedSA.roundless_config_defaults)
     inference_memory: Literal["round", "last_seen"] = Field(
         "round", description="inference_bank prototypes: the classes of the latest aggregation only (authors' "
         "serversa.py, default in sync mode) or every class's last aggregated prototype (default in async mode)")
@@ -336,4 +336,4 @@ class FedSA(Algorithm):
     Client = FedSAClient
     Server = FedSAServer
     # a version of K buffered updates is no round of the sampled clients: keep every class's last prototype
-    async_config_defaults = {"algorithm.inference_memory": "last_seen"}
+    roundless_config_defaults = {"algorithm.inference_memory": "last_seen"}

@@ -484,8 +484,8 @@ class FedSC(Algorithm):
     config_defaults = {"data.global_test_fraction": 0.2}
 
     @classmethod
-    def defaults_for(cls, options: dict[str, Any], rounds: bool) -> dict[str, Any]:
+    def defaults_for(cls, options: dict[str, Any], in_rounds: bool) -> dict[str, Any]:
         """Also the run-level defaults of the chosen ``variant`` (optimizer, participation)."""
         variant = options.get("variant", FedSCOptions.model_fields["variant"].default)
         run = VARIANT_RUN_DEFAULTS.get(variant, {}) if isinstance(variant, str) else {}  # bad values: reported by validation
-        return {**super().defaults_for(options, rounds), **run}
+        return {**super().defaults_for(options, in_rounds), **run}

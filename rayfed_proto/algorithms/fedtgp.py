@@ -15,7 +15,7 @@ range(self.num_classes)``); ``broadcast_classes: seen`` keeps only the classes e
 Clients use FedProto's loss.
 
 Asynchronous mode (this platform's): ``aggregation_scope`` defaults to ``latest`` when
-``federation.mode`` is async (``async_config_defaults``): the generator trains on every client's
+``federation.mode`` is async (``roundless_config_defaults``): the generator trains on every client's
 latest upload, each staleness-weighted, and the margin is taken over all the classes they
 hold, instead of ``server_epochs`` epochs on the K updates of one buffer and a margin over
 their classes only. In sync mode the default stays ``buffer`` (FedTGP's round: the uploads of
@@ -267,4 +267,4 @@ class FedTGP(Algorithm):
     Client = FedTGPClient
     Server = FedTGPServer
     config_defaults = {"algorithm.server_lr": SameAs("training.lr"), "algorithm.server_batch_size": SameAs("training.batch_size")}
-    async_config_defaults = {"algorithm.aggregation_scope": "latest"}
+    roundless_config_defaults = {"algorithm.aggregation_scope": "latest"}

@@ -1,4 +1,4 @@
-"""Ray actors: thin shells around :mod:`rayfed_proto.runtime.core`.
+"""Ray actors: thin shells around :mod:`rayfed_proto.runtime.client_core` and :mod:`~rayfed_proto.runtime.server_core`.
 
 No actor reads the dataset from disk: the driver loads it once and puts its arrays in the
 object store once; an actor's ``setup`` receives them as zero-copy read-only numpy views and
@@ -24,10 +24,12 @@ import torch
 from rayfed_proto.config import ExperimentConfig, resolved_config
 from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime.core import ClientHost, EvalSet, ServerCore, corrupt_update
+from rayfed_proto.runtime.client_core import ClientHost, corrupt_update
+from rayfed_proto.runtime.core import EvalSet
 from rayfed_proto.runtime.determinism import apply_determinism
 from rayfed_proto.runtime.parking import ParkedStates
 from rayfed_proto.runtime.policies import ServerNeeds
+from rayfed_proto.runtime.server_core import ServerCore
 
 
 def pick_device() -> torch.device:
@@ -227,7 +229,7 @@ class ServerActor:
 
     def __init__(self, cfg_dict: dict, num_classes: int, in_channels: int, image_size: int, needs: ServerNeeds,
                  torch_threads: int, dataset: ArrayDataset | None = None, global_test_idx=None, public_idx=None):
-        """``needs``: what the federation policy asks of the server (buffer size, a training thread,
+        """``needs``: what the federation policy asks of the server (its stepping strategy, the
         staleness bound); ``dataset``: the object store's arrays (zero-copy), from which the server
         takes only what it holds (global test set, public set); never read from disk here."""
         logging.basicConfig(level=logging.WARNING)
@@ -247,8 +249,7 @@ class ServerActor:
         self._new_versions: list[tuple[int, Any]] = []  # (version, state ref) not yet handed out
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        if needs.background:  # a training thread aggregates beside intake
-            threading.Thread(target=self._train_loop, name="server-training", daemon=True).start()
+        needs.stepping.start(self._train_loop)  # async in real time: a training thread aggregates beside intake
 
     def _publish(self, receipt: dict[str, Any]) -> dict[str, Any]:
         # A new version's state is put in the object store once, here; its ref is what every

@@ -2,7 +2,7 @@
 
 Applied by every actor first thing in its constructor (before its first CUDA call: cuBLAS reads
 ``CUBLAS_WORKSPACE_CONFIG`` when it creates its handle) and by the in-process paths
-(:class:`~rayfed_proto.runtime.core.ClientRunner` and the server core build their models after
+(:class:`~rayfed_proto.runtime.client_core.ClientRunner` and the server core build their models after
 it), so one setting covers the Ray layouts, the in-process loop and the driver.
 
 What it sets (PyTorch's "Reproducibility" notes):

@@ -22,15 +22,16 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from rayfed_proto.config import ExperimentConfig
 from rayfed_proto.runtime import preparation, runfolder, signals
 from rayfed_proto.runtime.evaluations import eval_sample
+from rayfed_proto.runtime.outcome import refused_unless_resumable, run_outcome
 from rayfed_proto.runtime.policies import make_policy
-from rayfed_proto.runtime.preparation import checkpoint_store, ensure_ray, resume_point  # noqa: F401  (the driver's API)
+from rayfed_proto.runtime.preparation import checkpoint_store, ensure_ray  # noqa: F401  (checkpoint_store: seeds.py imports it here)
 from rayfed_proto.runtime.progress import NoProgressError, ProgressWatch
 from rayfed_proto.runtime.resources import assign_clients
 from rayfed_proto.runtime.run_state import RunResult, RunState
@@ -82,72 +83,34 @@ def _run_experiment(cfg: ExperimentConfig, *, folder_locks, progress: bool = Tru
 
 def _run_tracked(run: RunState, startup: StartupSignals, on_eval, on_version) -> RunResult:
     """The run once its MLflow run exists: actors, restore, the event loop, the end; the MLflow
-    run ends FINISHED, KILLED (a stop) or FAILED, and the actors are released, however it ends."""
-    from rayfed_proto.runtime.checkpoint import CheckpointError  # here: it imports torch (see preparation.resume_point)
-
-    status = "FAILED"
+    run ends FINISHED, KILLED (a stop) or FAILED (:func:`~rayfed_proto.runtime.outcome.run_outcome`),
+    and the actors are released, however it ends."""
     restore_signals = lambda: None  # noqa: E731
+    outcome = None
     try:
-        startup.enter("actors starting")
-        _start(run)  # server and workers built, placed and given their data
-        startup.enter("restore")
-        with _refused_unless_resumable(run):  # a resume that cannot go on leaves its run as it was
-            _restore(run)  # from the checkpoint, when resuming
-            startup.enter("first version")
-            scheduler = run.scheduler = _make_scheduler(run, on_eval, on_version)  # with the checkpoint's evaluation log
-        restore_signals = signals.install_stop_handlers(scheduler)
-        startup.check()  # a signal between the last safe point and the scheduler's handlers
-        final_version = _loop(run)  # the event loop; a requested stop ends in RunInterrupted
-        result = _finish(run, final_version)  # final counters, artifacts, summary
-        status = "FINISHED"
-        return result
-    except StartupStopped as stop:  # a resumed run KILLED (its checkpoint stands), a new one FAILED with the reason
-        status, msg, version = signals.stopped_in_startup(run, stop)
-        raise RunInterrupted(msg, run.out, version, stop.signal_name) from None
-    except CheckpointError:  # a client state damaged since the scan (its checksum, at the restore): refused as input,
-        status = getattr(run.tracker, "resumed_status", None) or "FAILED"  # the run's status left as it was
-        raise
-    except OSError as e:  # a disk that filled, a folder made unwritable: a fault (exit 1), named, with what was kept
-        fault = runfolder.RunFault.during_run(e, run.out, run.store)
-        run.tracker.set_tags({"failure_reason": str(fault)[:5000]})
-        raise fault from None
-    except RunInterrupted:
-        status = "KILLED"
-        raise
-    except (KeyboardInterrupt, SystemExit) as e:  # SystemExit: a Tune trial told to stop, a stop and not a failure
-        status = "KILLED"
-        if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: stopped at once, no drain
-            raise signals.stopped_at_once(run.store, run.out, run.tracker) from None
-        raise
+        with run_outcome(run) as outcome:
+            startup.enter("actors starting")
+            _start(run)  # server and workers built, placed and given their data
+            startup.enter("restore")
+            with refused_unless_resumable(run):  # a resume that cannot go on leaves its run as it was
+                _restore(run)  # from the checkpoint, when resuming
+                startup.enter("first version")
+                scheduler = run.scheduler = _make_scheduler(run, on_eval, on_version)  # with the checkpoint's evaluation log
+            restore_signals = signals.install_stop_handlers(scheduler)
+            startup.check()  # a signal between the last safe point and the scheduler's handlers
+            final_version = _loop(run)  # the event loop; a requested stop ends in RunInterrupted
+            result = _finish(run, final_version)  # final counters, artifacts, summary
+            outcome.status = "FINISHED"
+            return result
     finally:
         restore_signals()
         if run.bar is not None:
             run.bar.close()
         try:
-            run.tracker.end(status)
+            run.tracker.end(outcome.status if outcome is not None else "FAILED")
         finally:  # MLflow unreachable at the end: the actors and the autoscaler request are released all the same
             _release_actors(run)
             run.store.release_cache()  # a remote checkpoint store's staging copy in the temp folder
-
-
-@contextmanager
-def _refused_unless_resumable(run: RunState):
-    """A resume whose restore or evaluation-log hand-over raises cannot go on: refused as input
-    (:class:`CheckpointError`, exit 2), so that the MLflow run ends with the status it had
-    (KILLED after a stop, never FAILED) and the folder keeps its checkpoints and history (nothing
-    is written there before the event loop). A new run's failures are failures as before."""
-    from rayfed_proto.runtime.checkpoint import CheckpointError  # here: it imports torch (see preparation.resume_point)
-
-    try:
-        yield
-    except Exception as e:
-        if run.ckpt is None or isinstance(e, CheckpointError):
-            raise
-        log.debug("the resume of %s failed before its first step", run.out, exc_info=True)
-        raise CheckpointError(
-            f"cannot resume {run.out} from its checkpoint of version {run.ckpt.version} ({type(e).__name__}: {e}); "
-            "nothing was changed: the MLflow run keeps its status and the folder its checkpoints and history. Run "
-            "with -v for the traceback, and report it with the checkpoint folder") from e
 
 
 def _release_actors(run: RunState) -> None:
@@ -272,11 +235,9 @@ def _start(run: RunState) -> None:
     cfg, fed, plan = run.cfg, run.cfg.federation, run.plan
     run.fleet.new_server()
     run.fleet.setup_workers()
-    concurrency = (f"concurrency {plan.concurrency}" if run.policy.clock is None else
-                   f"virtual clock: {run.policy.concurrency} clients at once simulated on {plan.concurrency} real slots")
     run.echo(f"starting {len(run.groups)} client actors ({fed.num_clients} clients, up to {plan.clients_per_actor} per "
              f"actor) and 1 server actor; per client actor: {plan.client_num_cpus:g} CPU, {plan.client_num_gpus:g} GPU; "
-             f"{concurrency}")
+             f"{run.policy.start_label(plan.concurrency)}")
     if run.ckpt is None:
         run.run_log.new_run(run.out, eval_sample(fed.eval_clients, fed.num_clients, cfg.seed))
     run.fleet.wait_started(cfg.resources.placement_timeout_s, run.progress)
@@ -367,7 +328,7 @@ def _finish(run: RunState, final_version: int) -> RunResult:
     cfg, scheduler, tracker = run.cfg, run.scheduler, run.tracker
     startup = scheduler.first_update_unix - run.started_unix if scheduler.first_update_unix is not None else None
     if cfg.checkpoint.every:  # at the end version, so that the run can be continued with more rounds
-        scheduler.recovery.checkpoint()  # before the counters: a failure here is counted too
+        scheduler.checkpoint()  # before the counters: a failure here is counted too
     tracker.log_metrics(counters.end_counters(scheduler.stats, run.history, final_version)  # each evaluation: as of its version
                         | ({names.FEDERATION_STARTUP_S: startup} if startup is not None else {}), step=final_version)
     if run.bar is not None:

@@ -14,7 +14,7 @@ client (``as_of``), computed here from the receipts:
   back (async: a receipt may arrive after the server reported v), so ``as_of`` is final;
 * the worker evaluates that state whether or not later updates of the client have run since:
   the host keeps the states an evaluation may still ask for (``keep_from``, sent with each
-  local update), see :class:`rayfed_proto.runtime.core.ClientHost`.
+  local update), see :class:`rayfed_proto.runtime.client_core.ClientHost`.
 
 So evaluations may run whenever the workers are free, overlapping the server's work, and still
 measure exactly their version. No Ray calls here: the scheduler launches and collects.

@@ -1,8 +1,8 @@
 """Federation policies: how local updates are handed out and when the server aggregates.
 
 A policy is the federation mode as one object. It declares what the rest of the runtime needs to
-know (:class:`ServerNeeds`: the server's buffer size, whether a server thread aggregates beside
-intake, the staleness bound; whether the driver learns of versions by waiting on the server) and
+know (:class:`ServerNeeds`: when the server steps, as a :mod:`stepping strategy
+<rayfed_proto.runtime.stepping>`, and the staleness bound; whether the driver learns of versions by waiting on the server) and
 works the federation through a narrow :class:`Port` (dispatch a local update, submit an update,
 ask for a server step, the clients that may be dispatched). A policy class is registered under
 its ``federation.mode`` name in :data:`POLICIES` and owns that mode: its config rules, the real
@@ -39,33 +39,22 @@ from typing import Any, Optional, Protocol
 import numpy as np
 
 from rayfed_proto.registry import Registry, load_plugins
-from rayfed_proto.runtime.simclock import SimEntry, VirtualClock
+from rayfed_proto.runtime.inflight import Pending
+from rayfed_proto.runtime.simclock import VirtualClock
+from rayfed_proto.runtime.stepping import OnRequest, ServerThread, SimulatedSteps, Stepping
 
 
 @dataclass(frozen=True)
 class ServerNeeds:
-    """What a policy asks of the server actor (:class:`rayfed_proto.runtime.core.ServerCore`)."""
+    """What a policy asks of the server actor (:class:`rayfed_proto.runtime.server_core.ServerCore`)."""
 
-    buffer_size: Optional[int]  # a version every K accepted updates; None: the driver asks for each step
-    background: bool  # a server thread aggregates beside intake (async in real time)
+    stepping: Stepping  # when a version forms (runtime/stepping.py): the behaviour, not flags
     max_staleness: float  # accepted updates trained at most this many versions ago
-    steps_on_request: bool = False  # with a buffer size, no inline step: the driver asks (the server's simulated time)
-    client_order: bool = False  # a step aggregates its updates in client order, not arrival order (reproducible rounds)
 
-
-@dataclass
-class Pending:
-    """One entry of the scheduler's in-flight table: what the ref is and who handles it."""
-
-    handler: Callable[[Any, Pending], None]
-    kind: str  # "train" | "receipt" | "step" | "eval" | "versions" | "discard"
-    client: int = -1
-    update_ref: Any = None
-    version: int = -1
-    actor: int = -1
-    entry: Optional[SimEntry] = None  # virtual clock: the update's simulated timing
-    update_no: int = -1  # the client's local updates done after this one (train: known once back)
-    ticket: int = -1  # receipt: its submission's number (evaluations wait for earlier receipts)
+    @property
+    def buffer_size(self) -> Optional[int]:
+        """K accepted updates per version; None: the driver asks for each step."""
+        return self.stepping.buffer_size
 
 
 class Port(Protocol):
@@ -125,7 +114,9 @@ class FederationPolicy(Protocol):
     def sim_now(self) -> float: ...
     def state_dict(self, resolve: Callable[[Any], Any]) -> dict[str, Any]: ...
     def load_state_dict(self, state: dict[str, Any], store: Callable[[Any], Any]) -> None: ...
-    def concurrency_label(self) -> str: ...  # what runs at once, in words (the start line, the summary)
+    def concurrency_label(self) -> str: ...  # what runs at once, in words (the summary)
+    def start_label(self, real_slots: int) -> str: ...  # the same, on the planned real slots (the start line)
+    def server_counters(self, ref: Any, fetch: Callable[[Any], Any]) -> Any: ...  # read now or later
     def summary_rows(self, stats) -> dict[str, str]: ...  # the summary's rows of this policy's counters
 
 
@@ -194,7 +185,7 @@ class BasePolicy:
     The class methods are what the rest of the project asks of a mode before a run starts (config
     rules, resource needs, the availability bound); the instance is the running federation."""
 
-    rounds: bool = True  # the federation runs in rounds (False: an algorithm's async_config_defaults apply)
+    in_rounds: bool = True  # the federation runs in rounds (False: an algorithm's roundless_config_defaults apply)
     waits_for_versions = False
     clock: Optional[VirtualClock] = None
     port: Port
@@ -222,6 +213,17 @@ class BasePolicy:
     def concurrency_label(self) -> str:
         """The summary's and the start line's words for what runs at once."""
         return f"concurrency {self.concurrency}" + (" simulated" if self.clock is not None else "")
+
+    def start_label(self, real_slots: int) -> str:
+        """The start line's words for what runs at once, on ``real_slots`` planned real slots."""
+        if self.clock is None:
+            return f"concurrency {real_slots}"
+        return f"virtual clock: {self.concurrency} clients at once simulated on {real_slots} real slots"
+
+    def server_counters(self, ref: Any, fetch: Callable[[Any], Any]) -> Any:
+        """The server's counters as a version forms (``ref``: their pending read): with a virtual
+        clock fetched at once (reproducible), else left to arrive while the run goes on."""
+        return fetch(ref) if self.clock is not None else ref
 
     def summary_rows(self, stats) -> dict[str, str]:
         """Rows of the run's summary that this policy's counters fill (``stats``: SchedulerStats)."""
@@ -315,7 +317,7 @@ class SyncRounds(BasePolicy):
         self.kept = 0  # selective: updates of the running round submitted so far
         self.round_start = 0.0  # virtual clock: when the running round started
         self.concurrency = self.selected  # updates a round has in flight
-        self.needs = ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf, client_order=True)
+        self.needs = ServerNeeds(OnRequest(), max_staleness=math.inf)
         self.outstanding = 0  # dispatched in this round, receipt not back yet
         self.in_round = False  # a round is running (its step not yet asked for)
         self.stepping = False  # its step is asked for, the version not yet seen
@@ -436,7 +438,7 @@ class SyncRounds(BasePolicy):
 class _Buffered(BasePolicy):
     """What the two asynchronous policies share before a run: a version every K accepted updates."""
 
-    rounds = False
+    in_rounds = False
 
     @classmethod
     def config_issues(cls, federation, virtual_clock: bool) -> list[Issue]:
@@ -463,8 +465,8 @@ class _Buffered(BasePolicy):
 
     @classmethod
     def needs_for(cls, federation, clock: Optional[VirtualClock]) -> ServerNeeds:
-        return ServerNeeds(federation.buffer_size, background=clock is None, max_staleness=federation.max_staleness,
-                           steps_on_request=clock is not None)
+        k = federation.buffer_size  # the driver steps the server when its simulated step ends; else a thread does
+        return ServerNeeds(SimulatedSteps(k) if clock is not None else ServerThread(k), federation.max_staleness)
 
 
 @POLICIES.register("async", "FedBuff-style: a version every buffer_size accepted updates, clients never wait for a round")

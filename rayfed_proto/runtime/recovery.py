@@ -1,9 +1,10 @@
 """The scheduler's other half: actor deaths, drains, checkpoints and stops.
 
 :class:`~rayfed_proto.runtime.scheduler.Scheduler` runs the happy path (dispatch, submit, step,
-evaluate); whatever interrupts it is here, so that the loop reads alone. :class:`Recovery` works
-the federation through a narrow :class:`RecoveryPort` that the scheduler implements (as policies
-do through :class:`~rayfed_proto.runtime.policies.Port`): a dead client actor is recreated from
+evaluate); whatever interrupts it is here, so that the loop reads alone. :class:`Recovery` reads the
+scheduler's in-flight table (:class:`~rayfed_proto.runtime.inflight.InFlight`) and counts into its
+stats, and works the federation through a narrow :class:`RecoveryPort` that the scheduler
+implements (as policies do through :class:`~rayfed_proto.runtime.policies.Port`): a dead client actor is recreated from
 the last checkpoint of its clients, a dead server from the last checkpoint, and the work lost with
 them is counted, never silently redone. A drain (a checkpoint due, or a stop requested by a signal
 or ``faults.stop_at_version``) takes no new work, lets the running work finish, and checkpoints at
@@ -18,41 +19,32 @@ from typing import Any, Optional, Protocol
 
 from ray.exceptions import RayActorError
 
-from rayfed_proto.runtime.policies import Pending
+from rayfed_proto.runtime.inflight import InFlight, Kind, Pending
 
 log = logging.getLogger("rayfed_proto")
 
 
 class RecoveryPort(Protocol):
-    """What recovery may do to the federation; the scheduler implements it."""
+    """What recovery may do to the federation beyond the in-flight table and the counters it is
+    given; the scheduler implements it."""
 
     version: int  # the newest version the driver knows
 
     # a client actor died
-    def count_client_failure(self) -> None: ...  # one more client actor death noticed
-    def clients_on(self, actor: int) -> list[int]: ...  # the clients a worker hosts
     def exclude(self, client: int) -> bool: ...  # out of sampling for good; False: it already was
-    def drop_in_flight_on(self, actor: int) -> list[Pending]: ...  # its queued updates and evaluations, out of the table
     def restart_client_actor(self, actor: int) -> bool: ...  # recreate it (its clients' last checkpoint); False: no restart configured
     def update_lost(self, p: Pending) -> None: ...  # a local update lost with its actor: counted, the policy told
     def eval_part_lost(self, version: int) -> None: ...  # one worker's part of an evaluation lost with it
 
     # the server died
-    def count_server_restart(self) -> int: ...  # one more; the run's total so far
     def updates_at_server(self) -> int: ...  # updates the server holds that a restart loses
-    def updates_in_flight(self) -> list[Any]: ...  # the update refs of the local updates running now
     def restart_server(self) -> Optional[int]: ...  # recreate it; the version it restored (None: no restart configured)
-    def lost_at_server(self, n: int) -> None: ...  # count updates lost with the server
     def rewind_to(self, version: int) -> None: ...  # back to the restored version: the dead server's work dropped
 
     # checkpoints
-    def can_checkpoint(self) -> bool: ...  # a checkpoint writer is configured
     def snapshot_server(self) -> Any: ...  # raises RayActorError if the server is dead
-    def client_actors(self) -> int: ...  # how many workers there are
     def snapshot_client_actor(self, actor: int) -> Any: ...  # raises RayActorError if it is dead
     def write_checkpoint(self, server_snap: Any, actor_snaps: list) -> bool: ...  # at ``version``; True: written
-    def count_checkpoint(self, written: bool) -> None: ...  # a checkpoint written, or one that failed
-    def training(self) -> int: ...  # local updates in flight (real)
 
 
 class RecoveryLimits(Protocol):
@@ -75,8 +67,14 @@ class StopRequested(Exception):
 
 
 class Recovery:
-    def __init__(self, port: RecoveryPort, limits: RecoveryLimits, last_checkpoint: int):
-        self.port, self.limits = port, limits
+    """``stats``: the scheduler's counters (:class:`~rayfed_proto.runtime.scheduler.SchedulerStats`);
+    ``inflight``: its table; ``actor_clients``: the clients each worker hosts; ``checkpoints``: a
+    checkpoint writer is configured."""
+
+    def __init__(self, port: RecoveryPort, limits: RecoveryLimits, stats, inflight: InFlight,
+                 actor_clients: list[list[int]], last_checkpoint: int, checkpoints: bool = True):
+        self.port, self.limits, self.stats, self.inflight = port, limits, stats, inflight
+        self.actor_clients, self.checkpoints = actor_clients, checkpoints
         self.failures: dict[int, int] = {}  # client -> actor deaths while it had work in flight
         self.orphans: set = set()  # update refs trained against a server that died
         self.checkpoint_due = False  # drain, then checkpoint; sync checkpoints at round ends
@@ -91,19 +89,19 @@ class Recovery:
         clients, or re-initialised), and each client it hosts has one more failure; a client over
         ``max_client_failures`` is excluded from sampling instead of failing the run."""
         port, limit = self.port, self.limits.max_client_failures
-        port.count_client_failure()
-        clients = port.clients_on(a)
+        self.stats.client_failures += 1
+        clients = self.actor_clients[a]
         log.warning("client actor %d (clients %s) died: %s", a, clients, type(err).__name__)
         for c in clients:
             self.failures[c] = self.failures.get(c, 0) + 1
             if self.failures[c] > limit and port.exclude(c):
                 log.warning("client %d failed %d times (limit reliability.max_client_failures=%d): excluded from "
                             "sampling", c, self.failures[c], limit)
-        queued = port.drop_in_flight_on(a)  # every other call queued on the dead actor fails too: once per death
+        queued = self.inflight.drop_on_actor(a)  # every other call queued on the dead actor fails too: once per death
         if not port.restart_client_actor(a):
             raise RuntimeError(f"client actor {a} died and no restart is configured") from err
         for q in ([lost] if lost is not None else []) + queued:
-            if q.kind == "train":
+            if q.kind is Kind.TRAIN:
                 self.lose_update(q)
             else:
                 port.eval_part_lost(q.version)
@@ -113,7 +111,7 @@ class Recovery:
         if update_ref not in self.orphans:
             return False
         self.orphans.discard(update_ref)
-        self.port.lost_at_server(1)
+        self.stats.updates_lost_server += 1
         return True
 
     def lose_update(self, p: Pending) -> None:
@@ -125,15 +123,16 @@ class Recovery:
         on from its version. Updates in flight or buffered are counted as lost, not re-requested:
         the versions after the checkpoint are recomputed from fresh client work."""
         port, limit = self.port, self.limits.max_server_failures
-        restarts = port.count_server_restart()
-        at_server, in_flight, was = port.updates_at_server(), port.updates_in_flight(), port.version
+        self.stats.server_restarts += 1
+        restarts = self.stats.server_restarts
+        at_server, in_flight, was = port.updates_at_server(), self.inflight.update_refs(), port.version
         restored = port.restart_server() if restarts <= limit else None
         if restored is None:
             raise RuntimeError(f"server actor died ({restarts} times; limit "
                                f"reliability.max_server_failures={limit})") from err
         log.warning("server actor died (%s); recreated at version %d (was %d); %d updates lost at the server, "
                     "%d in flight", type(err).__name__, restored, was, at_server, len(in_flight))
-        port.lost_at_server(at_server)
+        self.stats.updates_lost_server += at_server
         self.orphans.update(in_flight)
         port.rewind_to(restored)  # the versions after it are redone
 
@@ -162,7 +161,7 @@ class Recovery:
         ``on_checkpoint``. An actor found dead here is handled like any other death first."""
         port = self.port
         self.checkpoint_due, self.drain_since = False, None
-        if not port.can_checkpoint() or self.last_checkpoint == port.version:
+        if not self.checkpoints or self.last_checkpoint == port.version:
             return
         try:
             server_snap = port.snapshot_server()
@@ -170,7 +169,7 @@ class Recovery:
             self.server_died(err)
             return
         actor_snaps = []
-        for a in range(port.client_actors()):
+        for a in range(len(self.actor_clients)):
             try:
                 actor_snaps.append(port.snapshot_client_actor(a))
             except RayActorError as err:  # recreated from the previous checkpoint: that is its state now
@@ -189,7 +188,10 @@ class Recovery:
         if written:
             self.last_checkpoint = port.version
         # failed after retries: the previous checkpoint stands; the next one due (or the end's) tries again
-        port.count_checkpoint(bool(written))
+        if written:
+            self.stats.checkpoints += 1
+        else:
+            self.stats.checkpoints_failed += 1
 
     def check_drain_timeout(self) -> None:
         if not self.draining():
@@ -198,7 +200,7 @@ class Recovery:
         if self.drain_since is None:
             self.drain_since = time.perf_counter()
         elif time.perf_counter() - self.drain_since > timeout:
-            in_flight, self.drain_since = self.port.training(), None
+            in_flight, self.drain_since = self.inflight.count(Kind.TRAIN), None
             if self.stop_reason is not None:
                 log.warning("%d updates still running after reliability.drain_timeout_s=%.0f s: abandoned; the last "
                             "periodic checkpoint is the resume point", in_flight, timeout)

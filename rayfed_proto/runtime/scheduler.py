@@ -9,8 +9,9 @@ The loop (:meth:`Scheduler.run`) reads like the algorithm::
         ref = ray.wait(in-flight)      # whatever finishes first
         in_flight.pop(ref).handler(ref)
 
-Every remote call the driver waits on is one entry of ``self.inflight`` (``{ObjectRef:
-Pending}``, Ray's ``ActorPool`` idea): a local update's metadata (its upload's ObjectRef goes
+Every remote call the driver waits on is one entry of ``self.inflight`` (an
+:class:`~rayfed_proto.runtime.inflight.InFlight` table, ``{ObjectRef: Pending}`` indexed by kind,
+worker and client: Ray's ``ActorPool`` idea): a local update's metadata (its upload's ObjectRef goes
 straight to ``server.submit``, never through the driver), a submission receipt, a sync round's
 step, an evaluation, the async server's ``wait_versions``. Each entry names its handler.
 
@@ -36,7 +37,8 @@ from ray.exceptions import RayActorError
 
 from rayfed_proto.runtime.actors import RemoteStates
 from rayfed_proto.runtime.evaluations import Evaluations
-from rayfed_proto.runtime.policies import FederationPolicy, Pending
+from rayfed_proto.runtime.inflight import SERVER_WORK, InFlight, Kind, Pending
+from rayfed_proto.runtime.policies import FederationPolicy
 from rayfed_proto.runtime.recovery import Recovery, StopRequested
 from rayfed_proto.runtime.simclock import NoClientOnline
 
@@ -115,8 +117,6 @@ class Hooks:
 
 
 class Scheduler:
-    evaluate_first = False  # evaluations before the next dispatch: the measured alternative (docs/benchmarks.md, "Where an evaluation runs")
-
     def __init__(self, policy: FederationPolicy, server, actors: list, actor_clients: list[list[int]], limits: Limits,
                  hooks: Hooks, progress=None, batch_clients: bool = False):
         if progress is None:
@@ -128,11 +128,13 @@ class Scheduler:
         self.batch_clients = batch_clients  # resources.batch_clients on/auto: dispatch_group sends a worker's clients at once
         self.actor_of = {c: a for a, cs in enumerate(actor_clients) for c in cs}
         self.stats = SchedulerStats()
-        self.recovery = Recovery(self, limits, last_checkpoint=limits.start_version if limits.start_version > 0 else -1)
+        self.inflight = InFlight()  # the one table of work the driver waits on
+        self.recovery = Recovery(self, limits, self.stats, self.inflight, actor_clients,
+                                 last_checkpoint=limits.start_version if limits.start_version > 0 else -1,
+                                 checkpoints=hooks.on_checkpoint is not None)
         self.started = time.perf_counter()  # wall time counts from here (minus a resumed run's earlier time)
         self.version = limits.start_version
         self.global_ref = server.global_state.remote()
-        self.inflight: dict[Any, Pending] = {}  # the one table of work the driver waits on
         self.first_update_unix: Optional[float] = None  # when the first local update came back (startup cost)
         counts = {c: n for host in ray.get([a.update_counts.remote() for a in actors]) for c, n in host.items()}
         self.evals = Evaluations(limits.eval_every, limits.rounds, counts, self.version, self.stats, hooks.on_eval,
@@ -179,12 +181,11 @@ class Scheduler:
         """Count a started local update and enter it in the in-flight table."""
         self.stats.dispatched += 1
         self.stats.client_updates[client] = self.stats.client_updates.get(client, 0) + 1
-        p = self.inflight[meta_ref] = Pending(self._on_update, "train", client=client, update_ref=update_ref, actor=a)
-        return p
+        return self.inflight.add(meta_ref, Pending(self._on_update, Kind.TRAIN, client=client, update_ref=update_ref, actor=a))
 
     def submit(self, p: Pending, meta: dict[str, Any]) -> None:
-        self.inflight[self.server.submit.remote(p.update_ref)] = Pending(
-            self._on_receipt, "receipt", client=p.client, update_no=meta["update"], ticket=self.evals.ticket())
+        self.inflight.add(self.server.submit.remote(p.update_ref), Pending(
+            self._on_receipt, Kind.RECEIPT, client=p.client, update_no=meta["update"], ticket=self.evals.ticket()))
 
     def hand_over(self, update, client: int, meta: dict[str, Any]) -> bool:
         ticket = self.evals.ticket()
@@ -200,7 +201,7 @@ class Scheduler:
         return True
 
     def request_step(self) -> None:
-        self.inflight[self.server.step.remote()] = Pending(self._on_receipt, "step")
+        self.inflight.add(self.server.step.remote(), Pending(self._on_receipt, Kind.STEP))
 
     def step_now(self) -> bool:
         """Virtual clock: the server's step ends now in simulated time; its version is taken at once
@@ -216,7 +217,7 @@ class Scheduler:
     def eligible(self, one_per_actor: bool = False) -> list[int]:
         """Clients not excluded and with nothing in flight (``one_per_actor``: on a worker with
         nothing in flight), in client order: a seeded choice must not depend on the layout."""
-        busy = {p.client for p in self.inflight.values() if p.kind == "train"}
+        busy = self.inflight.busy_clients()
         if one_per_actor:
             busy_actors = {self.actor_of[c] for c in busy}
             return [c for c in range(len(self.actor_of))
@@ -226,7 +227,7 @@ class Scheduler:
         return np.flatnonzero(mask).tolist()
 
     def training(self) -> int:
-        return sum(1 for p in self.inflight.values() if p.kind == "train")
+        return self.inflight.count(Kind.TRAIN)
 
     def account(self, client: int, meta: dict[str, Any]) -> None:
         """Count a finished local update (busy time, traffic, its training terms)."""
@@ -245,7 +246,7 @@ class Scheduler:
         client's state back to before the update (dispatched ``may_lose``), so evaluations, which
         never see an unhandled update, and its next update start from the same state."""
         a = self.actor_of[client]
-        self.inflight[self.actors[a].discard.remote(client)] = Pending(self._on_discarded, "discard", client=client, actor=a)
+        self.inflight.add(self.actors[a].discard.remote(client), Pending(self._on_discarded, Kind.DISCARD, client=client, actor=a))
         self.stats.updates_dropped_offline += 1
         self.stats.client_dropped_offline[client] = self.stats.client_dropped_offline.get(client, 0) + 1
         self.stats.busy_s += meta["busy_s"]
@@ -284,8 +285,6 @@ class Scheduler:
 
     def _loop(self) -> None:
         while self._work_left():
-            if self.evaluate_first:
-                self.evals.start_ready(self._launch_eval)
             self.policy.fill()  # takes no new work while draining
             # after the dispatch: on each worker the evaluation queues behind the next updates and
             # overlaps the server's work; it still sees each client as of its version (evaluations.py)
@@ -298,7 +297,8 @@ class Scheduler:
                     raise StopRequested(self.recovery.stop_reason, self.version)
                 continue
             self._ask_for_versions()
-            waiting = [r for r, p in self.inflight.items() if p.kind != "versions" or self.version < self.rounds]
+            # after the last version the server's wait_versions never returns: not waited on
+            waiting = self.inflight.refs(set(Kind) if self.version < self.rounds else set(Kind) - {Kind.VERSIONS})
             if not waiting:
                 if self.recovery.draining() or not self._work_left():
                     continue  # quiet now: checkpoint / stop at the top of the loop
@@ -319,7 +319,7 @@ class Scheduler:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.evals.start_ready(self._launch_eval)
-            waiting = [r for r, p in self.inflight.items() if p.kind in ("eval", "receipt", "step")]
+            waiting = self.inflight.refs(SERVER_WORK | {Kind.EVAL})
             if not waiting:
                 return
             ready, _ = ray.wait(waiting, num_returns=1, timeout=1.0)
@@ -333,19 +333,19 @@ class Scheduler:
     def _work_left(self) -> bool:
         # receipts too: one for an earlier version may still be due for evaluation after the last
         return (self.version < self.rounds or self.evals.busy()
-                or any(p.kind in ("eval", "receipt", "step") for p in self.inflight.values()))
+                or self.inflight.any(SERVER_WORK | {Kind.EVAL}))
 
     def _ask_for_versions(self) -> None:
         """Async (real time): keep one ``wait_versions`` call outstanding at the server."""
         if (self.policy.waits_for_versions and self.version < self.rounds and not (self.recovery.stop_reason and self._quiet())
-                and not any(p.kind == "versions" for p in self.inflight.values())):
-            self.inflight[self.server.wait_versions.remote()] = Pending(self._on_versions, "versions")
+                and not self.inflight.count(Kind.VERSIONS)):
+            self.inflight.add(self.server.wait_versions.remote(), Pending(self._on_versions, Kind.VERSIONS))
 
     def _finish_in_flight(self) -> None:
         """Let running local updates finish so actors are quiet before shutdown; they are withheld."""
-        train = {r: p for r, p in self.inflight.items() if p.kind == "train"}
+        train = self.inflight.refs({Kind.TRAIN})
         if train:
-            done, _ = ray.wait(list(train), num_returns=len(train), timeout=120)
+            done, _ = ray.wait(train, num_returns=len(train), timeout=120)
             for ref in done:
                 self._on_update(ref, self.inflight.pop(ref))
         self.stats.withheld += self.policy.held_back()
@@ -383,7 +383,7 @@ class Scheduler:
             self.evals.handed(p.client, p.update_no, self.version, p.ticket)
             return
         self.evals.handed(p.client, p.update_no, receipt.get("version", self.version), p.ticket)
-        self._handle_receipt(receipt, step=p.kind == "step")
+        self._handle_receipt(receipt, step=p.kind is Kind.STEP)
 
     def _handle_receipt(self, receipt: dict[str, Any], step: bool) -> None:
         """A submission's receipt (which may carry a new version) or a sync round's step."""
@@ -420,9 +420,7 @@ class Scheduler:
     def _counters(self, version: int) -> tuple:
         """The run's counters when ``version`` is formed: its evaluation reports them, however
         much later it ends. With a virtual clock the server's are read at once (reproducible)."""
-        server_stats = self.server.stats.remote(version)
-        if self.policy.clock is not None:
-            server_stats = ray.get(server_stats)
+        server_stats = self.policy.server_counters(self.server.stats.remote(version), ray.get)
         stats = dataclasses.replace(self.stats, last_terms=dict(self.stats.last_terms),
                                     client_updates=dict(self.stats.client_updates),
                                     client_dropped_offline=dict(self.stats.client_dropped_offline),
@@ -436,7 +434,7 @@ class Scheduler:
         for a, clients in enumerate(self.actor_clients):
             if mine := [c for c in clients if c in as_of]:
                 ref = self.actors[a].evaluate.remote(mine, state_ref, {c: as_of[c] for c in mine})
-                self.inflight[ref] = Pending(self._on_eval_result, "eval", version=version, actor=a)
+                self.inflight.add(ref, Pending(self._on_eval_result, Kind.EVAL, version=version, actor=a))
                 parts += 1
         return parts
 
@@ -455,7 +453,7 @@ class Scheduler:
 
     def _quiet(self) -> bool:
         """No update in flight or unsubmitted, no aggregation requested: a consistent cut."""
-        return not any(p.kind in ("train", "receipt", "step") for p in self.inflight.values()) and self.policy.quiet()
+        return not self.inflight.any(SERVER_WORK | {Kind.TRAIN}) and self.policy.quiet()
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling stream, counters, wall clock and the policy's state (the virtual clock and the
@@ -472,21 +470,27 @@ class Scheduler:
         for key in ("client_dropped_offline", "client_dropped_deadline", "client_dropped_over_selection"):
             # per-client drop counts with int keys; absent from older checkpoints: empty (the dataclass default)
             setattr(self.stats, key, {int(c): n for c, n in getattr(self.stats, key).items()})
-        self.evals.stats = self.stats
+        self.evals.stats = self.recovery.stats = self.stats
         self.started = time.perf_counter() - float(state["wall_s"])
         self.recovery.failures = {int(c): n for c, n in state["failures"].items()}
         self.policy.load_state_dict(state.get("policy", {}), ray.put)
         if "evaluations" in state:  # checkpoints from before the evaluation invariant: the clients' states now
             self.evals.load_state_dict(state["evaluations"])
 
+    # ---------------------------------------------------------------------------- stops and checkpoints (the driver, signals)
+    def request_stop(self, reason: str) -> None:
+        """Drain, checkpoint and end the run with :class:`StopRequested` (safe from a signal handler)."""
+        self.recovery.request_stop(reason)
+
+    def stop_requested(self) -> bool:
+        return self.recovery.stop_reason is not None
+
+    def checkpoint(self) -> None:
+        """Checkpoint now (the run's end: at a quiet point, so that it can be continued)."""
+        self.recovery.checkpoint()
+
     # ---------------------------------------------------------------------------- the recovery port (recovery.RecoveryPort)
-    # with ``version``, ``training`` and ``lost_at_server`` above: all that Recovery may do here
-    def count_client_failure(self) -> None:
-        self.stats.client_failures += 1
-
-    def clients_on(self, actor: int) -> list[int]:
-        return self.actor_clients[actor]
-
+    # with ``version`` above: all that Recovery may do here beyond the table and the counters it is given
     def exclude(self, client: int) -> bool:
         """Take ``client`` out of sampling for good (listed in ``stats.excluded``); False: it already was."""
         if client in self.stats.excluded:
@@ -494,11 +498,6 @@ class Scheduler:
         self.stats.excluded.append(client)
         self.policy.exclude(client)
         return True
-
-    def drop_in_flight_on(self, actor: int) -> list[Pending]:
-        """The local updates and evaluations queued on ``actor``, taken out of the table (they died with it)."""
-        return [self.inflight.pop(r) for r, q in list(self.inflight.items())
-                if q.actor == actor and q.kind in ("train", "eval")]
 
     def restart_client_actor(self, actor: int) -> bool:
         """Recreate ``actor`` in place (``fleet.handles`` shares the list); its clients' states are
@@ -517,15 +516,8 @@ class Scheduler:
     def eval_part_lost(self, version: int) -> None:
         self.evals.part_lost(version)
 
-    def count_server_restart(self) -> int:
-        self.stats.server_restarts += 1
-        return self.stats.server_restarts
-
     def updates_at_server(self) -> int:
         return self.policy.at_server()
-
-    def updates_in_flight(self) -> list[Any]:
-        return [p.update_ref for p in self.inflight.values() if p.kind == "train"]
 
     def restart_server(self) -> Optional[int]:
         """Recreate the server (from the last checkpoint, or from scratch); the version it restored.
@@ -541,21 +533,15 @@ class Scheduler:
         server's receipts and waits, and evaluations of versions that no longer exist, are dropped."""
         self.stats.versions_redone += max(0, self.version - restored)
         self.version, self.global_ref = restored, self.server.global_state.remote()
-        for ref, p in list(self.inflight.items()):
-            if p.kind in ("receipt", "step", "versions") or (p.kind == "eval" and p.version > restored):
-                del self.inflight[ref]
+        for ref, p in self.inflight.items():
+            if p.kind in SERVER_WORK or p.kind is Kind.VERSIONS or (p.kind is Kind.EVAL and p.version > restored):
+                self.inflight.pop(ref)
                 self.evals.handed(p.client, p.update_no, restored, p.ticket)  # the client's state moved on
         self.policy.server_restarted(restored)
         self.evals.server_restarted(restored)
 
-    def can_checkpoint(self) -> bool:
-        return self.hooks.on_checkpoint is not None
-
     def snapshot_server(self) -> Any:
         return ray.get(self.server.snapshot.remote())
-
-    def client_actors(self) -> int:
-        return len(self.actors)
 
     def snapshot_client_actor(self, actor: int) -> tuple:
         """(worker ``actor``'s client states, fetched in chunks as the checkpoint writes them, its RNG)."""
@@ -565,9 +551,3 @@ class Scheduler:
 
     def write_checkpoint(self, server_snap: Any, actor_snaps: list) -> bool:
         return self.hooks.on_checkpoint(self.version, server_snap, actor_snaps)
-
-    def count_checkpoint(self, written: bool) -> None:
-        if written:
-            self.stats.checkpoints += 1
-        else:
-            self.stats.checkpoints_failed += 1

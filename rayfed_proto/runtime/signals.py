@@ -223,9 +223,9 @@ def install_stop_handlers(scheduler) -> Callable[[], None]:
 
     def handler(signum, frame):
         name = signal.Signals(signum).name
-        if scheduler.recovery.stop_reason is not None and signum == signal.SIGINT:
+        if scheduler.stop_requested() and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        scheduler.recovery.request_stop(name)
+        scheduler.request_stop(name)
 
     for sig in previous:
         signal.signal(sig, handler)

@@ -82,7 +82,7 @@ def trial_output_dir(ctx: TrialContext, trial_id: str) -> Path:
 def resumable_run(folder: Path, cfg: ExperimentConfig) -> Optional[Path]:
     """The newest run under a trial's folder that stopped before its end and has a complete
     checkpoint to continue from; None when there is none (the trial starts at version 0)."""
-    from rayfed_proto.runtime.driver import checkpoint_store
+    from rayfed_proto.runtime.preparation import checkpoint_store
 
     if not folder.is_dir():
         return None

@@ -20,9 +20,10 @@ import torch
 
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
-from rayfed_proto.runtime.core import ClientRunner, ServerCore
+from rayfed_proto.runtime.client_core import ClientRunner
 from rayfed_proto.runtime.driver import run_experiment
 from rayfed_proto.runtime.policies import Pending, make_policy
+from rayfed_proto.runtime.server_core import ServerCore
 from rayfed_proto.system import SystemModel
 from rayfed_proto.tracking import metric_names as names
 

@@ -8,7 +8,8 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+from rayfed_proto.runtime.preparation import checkpoint_store
 
 pytestmark = pytest.mark.integration
 

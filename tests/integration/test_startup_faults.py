@@ -10,7 +10,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+from rayfed_proto.runtime.preparation import checkpoint_store
 from rayfed_proto.runtime.signals import signal_cli_at_stage
 
 pytestmark = pytest.mark.integration

@@ -12,9 +12,12 @@ from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.data.base import ArrayDataset
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime import batched, core
-from rayfed_proto.runtime.core import ClientHost, ServerCore
+from rayfed_proto.runtime import batched
+from rayfed_proto.runtime import client_core as core
+from rayfed_proto.runtime.client_core import ClientHost
 from rayfed_proto.runtime.policies import ServerNeeds
+from rayfed_proto.runtime.server_core import ServerCore
+from rayfed_proto.runtime.stepping import OnRequest
 
 CPU = torch.device("cpu")
 BATCHED = ["fedavg", "fedproto", "fedtgp", "fedlsa", "fedsc"]
@@ -59,7 +62,7 @@ def _rounds(cfg, ds, part, public_x, mode: str, rounds: int):
     """``rounds`` sync rounds of every client on one host; the parameters after round 1, the
     metadata of each round and the final accuracy."""
     host = _host(cfg, ds, part, public_x, mode)
-    server = ServerCore(cfg, ds.num_classes, ds.channels, ds.image_size, CPU, ServerNeeds(None, False, 10),
+    server = ServerCore(cfg, ds.num_classes, ds.channels, ds.image_size, CPU, ServerNeeds(OnRequest(), 10),
                         public_x=public_x)
     after_first, metas = None, []
     for r in range(rounds):
@@ -283,7 +286,7 @@ def test_batch_clients_reads_off_and_on_from_yaml_and_names_the_allowed_values()
 
 
 def test_auto_batches_on_accelerators_only():
-    from rayfed_proto.runtime.core import batches_on
+    from rayfed_proto.runtime.client_core import batches_on
 
     assert batches_on("on", CPU) and not batches_on("auto", CPU) and not batches_on("off", CPU)
     assert batches_on("auto", torch.device("cuda")) and not batches_on("off", torch.device("cuda"))

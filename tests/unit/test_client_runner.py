@@ -7,7 +7,7 @@ import torch
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState, UpdateSchema, validate_update
-from rayfed_proto.runtime.core import ClientRunner
+from rayfed_proto.runtime.client_core import ClientRunner
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_client_state_round_trip_continues_identically(setup):
 
 
 def test_embedding_silhouette_by_hand_and_undefined_cases():
-    from rayfed_proto.runtime.core import embedding_silhouette
+    from rayfed_proto.runtime.client_core import embedding_silhouette
 
     # two tight, far-apart clusters: a = 0.5 (mean distance within), b = 10 (to the other): s = 1 - a/b
     feats = torch.tensor([[0.0, 0.0], [0.5, 0.0], [10.0, 0.0], [10.5, 0.0]])
@@ -63,7 +63,7 @@ def test_embedding_silhouette_by_hand_and_undefined_cases():
 def test_embedding_silhouette_equals_scikit_learns(n, k, dim, block):
     from sklearn.metrics import silhouette_score
 
-    from rayfed_proto.runtime.core import embedding_silhouette
+    from rayfed_proto.runtime.client_core import embedding_silhouette
 
     gen = torch.Generator().manual_seed(n)
     labels = torch.randint(0, k, (n,), generator=gen)
@@ -82,7 +82,7 @@ def test_evaluation_reports_a_silhouette_in_range(setup):
 
 
 def test_silhouette_of_a_diverged_model_is_none_not_a_crash():
-    from rayfed_proto.runtime.core import embedding_silhouette
+    from rayfed_proto.runtime.client_core import embedding_silhouette
 
     feats = torch.tensor([[0.0, 0.0], [float("nan"), 0.0], [10.0, 0.0], [10.5, 0.0]])
     assert embedding_silhouette(feats, torch.tensor([0, 0, 1, 1])) is None

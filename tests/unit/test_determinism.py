@@ -46,7 +46,7 @@ def test_off_by_default_changes_nothing(torch_defaults, monkeypatch):
 
 def test_in_process_client_runner_applies_the_setting(torch_defaults):
     from rayfed_proto.data import load_dataset, make_partition
-    from rayfed_proto.runtime.core import ClientRunner
+    from rayfed_proto.runtime.client_core import ClientRunner
 
     cfg = build_config({}, ["federation.num_clients=2", "model.feature_dim=8", "data.image_size=8",
                             "model.group=HtFE1", "resources.deterministic=true"])
@@ -62,6 +62,7 @@ from rayfed_proto.config import build_config
 from rayfed_proto.runtime import actors
 from rayfed_proto.runtime.determinism import apply_determinism, is_deterministic
 from rayfed_proto.runtime.policies import ServerNeeds
+from rayfed_proto.runtime.stepping import OnRequest
 
 deterministic = sys.argv[1] == "true"
 order = []
@@ -83,7 +84,7 @@ actors.ClientActor.__ray_metadata__.modified_class(cfg, 1)
 client, client_flag = list(order), is_deterministic()
 order.clear()
 apply_determinism(False)
-actors.ServerActor.__ray_metadata__.modified_class(cfg, 10, 1, 8, ServerNeeds(None, False, 20), 1)
+actors.ServerActor.__ray_metadata__.modified_class(cfg, 10, 1, 8, ServerNeeds(OnRequest(), 20), 1)
 print(json.dumps({"client": client, "client_flag": client_flag, "server": order[:2], "server_flag": is_deterministic()}))
 """
 

@@ -575,7 +575,7 @@ def test_through_the_client_runner_with_a_real_model_and_a_state_round_trip():
     from rayfed_proto.config import build_config
     from rayfed_proto.data import load_dataset, make_partition
     from rayfed_proto.messages import UpdateSchema, validate_update
-    from rayfed_proto.runtime.core import ClientRunner
+    from rayfed_proto.runtime.client_core import ClientRunner
 
     cfg = build_config({"algorithm": {"name": "fedsap", "semi_supervised": {"supervised_versions": 1}}},
                        ["federation.num_clients=4", "model.feature_dim=16", "data.partition.beta=1.0",
@@ -603,7 +603,7 @@ def test_through_the_client_runner_with_a_real_model_and_a_state_round_trip():
 def test_the_partitions_unlabelled_pool_reaches_the_client():
     from rayfed_proto.config import build_config
     from rayfed_proto.data import load_dataset, make_partition
-    from rayfed_proto.runtime.core import ClientRunner
+    from rayfed_proto.runtime.client_core import ClientRunner
 
     cfg = build_config({"algorithm": {"name": "fedsap", "semi_supervised": {"supervised_versions": 1}}},
                        ["federation.num_clients=4", "model.feature_dim=16", "data.image_size=16",

@@ -7,8 +7,10 @@ import torch
 
 from rayfed_proto.config import build_config
 from rayfed_proto.messages import ClientUpdate, UpdateSchema, validate_update
-from rayfed_proto.runtime.core import EvalSet, ServerCore, evaluate_global_model
+from rayfed_proto.runtime.core import EvalSet, evaluate_global_model
 from rayfed_proto.runtime.policies import ServerNeeds
+from rayfed_proto.runtime.server_core import ServerCore
+from rayfed_proto.runtime.stepping import OnRequest
 
 
 class ArgmaxOfInput(torch.nn.Module):
@@ -47,7 +49,7 @@ def _fedavg_core(global_test):
                             "federation.num_clients=2", "federation.mode=sync", "federation.rounds=3",
                             "federation.eval_every=2"])
     return ServerCore(cfg, num_classes=3, in_channels=1, image_size=8, device=torch.device("cpu"),
-                      needs=ServerNeeds(None, background=False, max_staleness=math.inf), global_test=global_test)
+                      needs=ServerNeeds(OnRequest(), max_staleness=math.inf), global_test=global_test)
 
 
 def test_server_core_logs_global_accuracy_at_evaluated_versions_only():
@@ -74,7 +76,7 @@ def test_global_evaluation_runs_beside_the_next_round_on_its_versions_model(monk
     model even when it runs after the server has moved on."""
     import threading
 
-    import rayfed_proto.runtime.core as core_module
+    import rayfed_proto.runtime.server_core as core_module
 
     release, seen = threading.Event(), {}
 

@@ -9,8 +9,9 @@ import torch
 
 from rayfed_proto.config import ConfigError, build_config
 from rayfed_proto.runtime import batched
-from rayfed_proto.runtime.core import ServerCore
 from rayfed_proto.runtime.policies import ServerNeeds
+from rayfed_proto.runtime.server_core import ServerCore
+from rayfed_proto.runtime.stepping import OnRequest
 from tests.unit.test_batched_clients import (  # noqa: F401  (float64 and _one_thread are fixtures)
     BATCHED,
     CPU,
@@ -99,7 +100,7 @@ def test_a_client_with_an_empty_split_takes_its_lane_as_alone():
 
 
 def _train_rounds(host, cfg, ds, public_x, rounds: int, server=None):
-    server = server or ServerCore(cfg, ds.num_classes, ds.channels, ds.image_size, CPU, ServerNeeds(None, False, 10),
+    server = server or ServerCore(cfg, ds.num_classes, ds.channels, ds.image_size, CPU, ServerNeeds(OnRequest(), 10),
                                   public_x=public_x)
     metas = []
     for _ in range(rounds):
@@ -145,6 +146,6 @@ def test_lanes_config_and_clear_errors():
 
 
 def test_lanes_batch_on_the_cpu_too():
-    from rayfed_proto.runtime.core import batches_on
+    from rayfed_proto.runtime.client_core import batches_on
 
     assert batches_on("lanes", CPU) and batches_on("lanes", torch.device("cuda"))

@@ -12,7 +12,7 @@ from rayfed_proto.algorithms.common import bank_tensors
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState, PrototypeSet
-from rayfed_proto.runtime.core import ClientHost, ClientRunner
+from rayfed_proto.runtime.client_core import ClientHost, ClientRunner
 
 
 class Tiny(torch.nn.Module):

@@ -8,8 +8,9 @@ import torch
 
 from rayfed_proto.config import build_config
 from rayfed_proto.messages import ClientUpdate, PrototypeSet, UpdateSchema, validate_update
-from rayfed_proto.runtime.core import ServerCore
 from rayfed_proto.runtime.policies import ServerNeeds
+from rayfed_proto.runtime.server_core import ServerCore
+from rayfed_proto.runtime.stepping import EveryK, OnRequest, ServerThread
 
 SCHEMA = UpdateSchema(num_clients=3, num_classes=4, feature_dim=2, weight_shapes={"w": (2, 2)})
 
@@ -65,9 +66,8 @@ def _core(mode="async", buffer=2, **fed):
                         "federation": {"mode": mode, "num_clients": 3, "rounds": 5, "concurrency": 3,
                                        "buffer_size": buffer, "eval_every": 1, **fed}})
     return ServerCore(cfg, num_classes=4, in_channels=1, image_size=8, device=torch.device("cpu"),
-                      needs=ServerNeeds(buffer if mode == "async" else None, background=False,
-                                        max_staleness=cfg.federation.max_staleness if mode == "async" else math.inf,
-                                        client_order=mode == "sync"))  # as SyncRounds declares
+                      needs=ServerNeeds(EveryK(buffer) if mode == "async" else OnRequest(),  # sync: as SyncRounds declares
+                                        max_staleness=cfg.federation.max_staleness if mode == "async" else math.inf))
 
 
 def upd(client, version, value=1.0):
@@ -153,7 +153,7 @@ def test_background_intake_does_not_wait_for_server_training():
     import threading
 
     core = _core(buffer=2)
-    core.background = True
+    core.stepping = ServerThread(2)  # a training thread steps: submit only buffers
     training_started, release = threading.Event(), threading.Event()
     real_aggregate = core.algorithm.aggregate
 

@@ -9,7 +9,7 @@ from rayfed_proto.config import ConfigError, build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState
 from rayfed_proto.models import build_client_model, build_model
-from rayfed_proto.runtime.core import ClientRunner
+from rayfed_proto.runtime.client_core import ClientRunner
 
 CPU = torch.device("cpu")
 

@@ -17,7 +17,7 @@ from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState
 from rayfed_proto.runtime import fleet as fleet_mod
-from rayfed_proto.runtime.core import ClientHost
+from rayfed_proto.runtime.client_core import ClientHost
 from rayfed_proto.runtime.parking import SUBDIR, OnDisk, ParkedStates, remove_orphaned
 
 CPU = torch.device("cpu")

@@ -2,19 +2,21 @@
 keeps for evaluations: all without Ray (runtime/policies.py, runtime/evaluations.py, ClientHost)."""
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from doubles import FakePort
 
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime.core import ClientHost
+from rayfed_proto.runtime.client_core import ClientHost
 from rayfed_proto.runtime.evaluations import Evaluations
-from rayfed_proto.runtime.policies import AsyncSlots, Pending, ServerNeeds, SyncRounds, VirtualAsync, make_policy
+from rayfed_proto.runtime.inflight import InFlight, Kind, Pending
+from rayfed_proto.runtime.policies import AsyncSlots, ServerNeeds, SyncRounds, VirtualAsync, make_policy
 from rayfed_proto.runtime.scheduler import SchedulerStats
+from rayfed_proto.runtime.stepping import OnRequest, ServerThread, SimulatedSteps
 
 
 def fed(**over):
@@ -34,57 +36,21 @@ class FakeSystem:  # what VirtualClock reads of a system model
 def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_needs():
     sync = make_policy(fed(mode="sync", num_clients=10, participation=0.25), None, seed=0, real_slots=2)
     assert isinstance(sync, SyncRounds) and sync.per_round == 3  # ceil(0.25 x 10)
-    assert sync.needs == ServerNeeds(buffer_size=None, background=False, max_staleness=math.inf, client_order=True)
+    assert sync.needs == ServerNeeds(OnRequest(), max_staleness=math.inf)  # the driver asks; a round in client order
     assert not sync.waits_for_versions and sync.clock is None
     real = make_policy(fed(mode="async", buffer_size=3, max_staleness=7), None, seed=0, real_slots=2)
     assert isinstance(real, AsyncSlots) and real.concurrency == 2
-    assert real.needs == ServerNeeds(buffer_size=3, background=True, max_staleness=7) and real.waits_for_versions
+    assert real.needs == ServerNeeds(ServerThread(3), max_staleness=7) and real.waits_for_versions
     virtual = make_policy(fed(mode="async", buffer_size=3, num_clients=6, concurrency=4), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(virtual, VirtualAsync) and virtual.concurrency == 4 and virtual.clock is not None
     # no inline step: the policy steps the server when its simulated step ends (the server's time on the clock)
-    assert virtual.needs == ServerNeeds(buffer_size=3, background=False, max_staleness=20, steps_on_request=True)
+    assert virtual.needs == ServerNeeds(SimulatedSteps(3), max_staleness=20) and virtual.needs.buffer_size == 3
     assert not virtual.waits_for_versions
     sync_clock = make_policy(fed(mode="sync"), FakeSystem(), seed=0, real_slots=2)
     assert isinstance(sync_clock, SyncRounds) and sync_clock.clock is not None
 
 
 # ----------------------------------------------------------------------------- policies on a fake port
-
-
-class FakePort:
-    def __init__(self, clients: int, actor_of=None, rounds: int = 5):
-        self.version, self.rounds = 0, rounds
-        self.actor_of = actor_of or {c: c for c in range(clients)}
-        self.log: list[tuple] = []
-        self.in_flight: dict[int, Pending] = {}
-
-    def accepting(self) -> bool:
-        return self.version < self.rounds
-
-    def dispatch(self, client: int) -> Pending:
-        self.log.append(("dispatch", client))
-        p = self.in_flight[client] = Pending(handler=None, kind="train", client=client)
-        return p
-
-    def dispatch_group(self, clients):
-        return [self.dispatch(c) for c in clients]
-
-    def submit(self, p: Pending, meta: dict[str, Any]) -> None:
-        self.log.append(("submit", p.client))
-        self.in_flight.pop(p.client)
-
-    def request_step(self) -> None:
-        self.log.append(("step",))
-
-    def eligible(self, one_per_actor: bool = False) -> list[int]:
-        busy_actors = {self.actor_of[c] for c in self.in_flight} if one_per_actor else set()
-        return [c for c in sorted(self.actor_of) if c not in self.in_flight and self.actor_of[c] not in busy_actors]
-
-    def training(self) -> int:
-        return len(self.in_flight)
-
-    def account(self, client: int, meta: dict[str, Any]) -> None:
-        self.log.append(("account", client))
 
 
 def test_sync_rounds_dispatch_a_seeded_sample_and_step_once_every_update_is_in_or_lost():
@@ -115,7 +81,7 @@ def test_sync_rounds_dispatch_a_seeded_sample_and_step_once_every_update_is_in_o
 
 
 def test_async_slots_fill_idle_actors_up_to_the_concurrency_and_hold_back_when_a_version_waits():
-    policy = AsyncSlots(4, concurrency=2, needs=ServerNeeds(2, True, 20), rng=np.random.default_rng(0))
+    policy = AsyncSlots(4, concurrency=2, needs=ServerNeeds(ServerThread(2), 20), rng=np.random.default_rng(0))
     port = FakePort(4, actor_of={0: 0, 1: 0, 2: 1, 3: 1})
     policy.bind(port)
     policy.fill()
@@ -295,12 +261,14 @@ def test_eligible_clients_are_the_idle_not_excluded_ones_in_client_order():
     from rayfed_proto.runtime.scheduler import Scheduler
 
     actor_of = {c: c % 3 for c in range(50)}
-    inflight = {i: SimpleNamespace(kind=k, client=c) for i, (k, c) in enumerate([("train", 4), ("eval", 5), ("train", 30)])}
+    inflight = InFlight()
+    for i, (k, c) in enumerate([(Kind.TRAIN, 4), (Kind.EVAL, 5), (Kind.TRAIN, 30)]):
+        inflight.add(i, Pending(None, k, client=c, actor=actor_of[c]))
     s = SimpleNamespace(inflight=inflight, actor_of=actor_of, stats=SimpleNamespace(excluded=[7, 4]))
     want = [c for c in range(50) if c not in (4, 7, 30)]  # an evaluation in flight does not make a client busy
     assert Scheduler.eligible(s) == want and all(type(c) is int for c in Scheduler.eligible(s))
     assert Scheduler.eligible(s, one_per_actor=True) == [c for c in want if actor_of[c] == 2]  # workers 1, 0 busy
-    s.stats.excluded, s.inflight = [], {}
+    s.stats.excluded, s.inflight = [], InFlight()
     assert Scheduler.eligible(s) == list(range(50))
 
 

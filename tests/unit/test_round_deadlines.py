@@ -8,9 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from doubles import FakePort
 
 from rayfed_proto.config import ConfigError, build_config
-from rayfed_proto.runtime.policies import Pending, SyncRounds, make_policy
+from rayfed_proto.runtime.policies import SyncRounds, make_policy
 from rayfed_proto.runtime.simclock import VirtualClock
 from rayfed_proto.system import SystemModel
 
@@ -20,41 +21,6 @@ COMPUTE = [10.0, 5.0, 2.5, 2.0, 20.0, 1.0]
 META = {"download_bytes": 0, "upload_bytes": 0, "busy_s": 0.0, "terms": {}}
 
 
-class Port:
-    def __init__(self, rounds: int = 5):
-        self.version, self.rounds = 0, rounds
-        self.log: list[tuple] = []
-        self.in_flight: dict[int, Pending] = {}
-
-    def accepting(self) -> bool:
-        return self.version < self.rounds
-
-    def dispatch(self, client: int) -> Pending:
-        p = self.in_flight[client] = Pending(handler=None, kind="train", client=client)
-        return p
-
-    def dispatch_group(self, clients):
-        return [self.dispatch(c) for c in clients]
-
-    def submit(self, p: Pending, meta: dict[str, Any]) -> None:
-        self.log.append(("submit", p.client))
-
-    def request_step(self) -> None:
-        self.log.append(("step",))
-
-    def eligible(self, one_per_actor: bool = False) -> list[int]:
-        return [c for c in range(len(SPEEDS)) if c not in self.in_flight]
-
-    def account(self, client: int, meta: dict[str, Any]) -> None:
-        pass
-
-    def dropped_offline(self, client: int, meta: dict[str, Any]) -> None:
-        self.log.append(("offline", client))
-
-    def dropped_by_round(self, client: int, meta: dict[str, Any], reason: str) -> None:
-        self.log.append((reason, client))
-
-
 def policy(per_round: int, deadline_s=None, over_selection=1.0, seed=0, windows=None):
     """``windows``: client -> its online windows (CSV availability; clients not listed are always online)."""
     system = SystemModel(SPEEDS, ["cnn"] * 6, {"cnn": 1.0}, [10] * 6, 1,
@@ -62,7 +28,7 @@ def policy(per_round: int, deadline_s=None, over_selection=1.0, seed=0, windows=
     assert list(system.compute_s) == COMPUTE
     pol = SyncRounds(6, per_round, np.random.default_rng(seed), VirtualClock(system, seed), deadline_s=deadline_s,
                      over_selection=over_selection)
-    port = Port()
+    port = FakePort(len(SPEEDS), logged=("submit", "step", "offline", "deadline", "over_selection"))
     pol.bind(port)
     return pol, port
 
@@ -217,6 +183,7 @@ def test_the_scheduler_counts_round_drops_per_client_and_resumes_them_and_old_ch
 def test_the_summary_row_and_final_counters_show_round_drops_only_for_selective_rounds():
     from rayfed_proto.runtime.policies import AsyncSlots, ServerNeeds
     from rayfed_proto.runtime.scheduler import SchedulerStats
+    from rayfed_proto.runtime.stepping import ServerThread
     from rayfed_proto.tracking import metric_names as names
     from rayfed_proto.tracking.round_metrics import dispatch_counters
 
@@ -233,7 +200,7 @@ def test_the_summary_row_and_final_counters_show_round_drops_only_for_selective_
     over_only, _ = policy(per_round=2, over_selection=2.0)
     assert "deadline" not in over_only.summary_rows(stats)["updates dropped by the round"]
     assert policy(per_round=2)[0].summary_rows(stats) == offline  # plain sync rounds (with a clock): no round row
-    real_time = AsyncSlots(6, 2, ServerNeeds(2, True, 5), np.random.default_rng(0))
+    real_time = AsyncSlots(6, 2, ServerNeeds(ServerThread(2), 5), np.random.default_rng(0))
     assert real_time.summary_rows(stats) == {}  # no clock: no client goes offline, no rounds
     assert dispatch_counters(stats) == {names.FEDERATION_UPDATES_DISPATCHED: 260,
                                         names.FEDERATION_UPDATES_DROPPED_OFFLINE: 3,

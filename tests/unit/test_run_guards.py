@@ -166,7 +166,7 @@ def _fake_checkpoint(folder, version):
 
 
 def test_resuming_a_finished_run_says_so_unless_rounds_are_raised(tmp_path):
-    from rayfed_proto.runtime.driver import checkpoint_store, resume_point
+    from rayfed_proto.runtime.preparation import checkpoint_store, resume_point
     from rayfed_proto.runtime.runfolder import mark_finished
 
     _fake_checkpoint(tmp_path, 6)
@@ -179,7 +179,7 @@ def test_resuming_a_finished_run_says_so_unless_rounds_are_raised(tmp_path):
 
 
 def test_resume_with_rounds_at_or_below_the_checkpoint_says_nothing_is_left(tmp_path):
-    from rayfed_proto.runtime.driver import checkpoint_store, resume_point
+    from rayfed_proto.runtime.preparation import checkpoint_store, resume_point
 
     _fake_checkpoint(tmp_path, 16)
     cfg = build_config({}, ["federation.rounds=10"])
@@ -202,7 +202,7 @@ def test_resume_with_every_checkpoint_damaged_is_an_input_error_naming_the_folde
 def test_driver_dead_before_its_first_checkpoint_its_mlflow_run_is_marked_failed(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from rayfed_proto.runtime.driver import checkpoint_store, resume_point
+    from rayfed_proto.runtime.preparation import checkpoint_store, resume_point
     from rayfed_proto.runtime.runfolder import write_run_info
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -12,6 +12,7 @@ from rayfed_proto.algorithms.base import ServerPass, ServerSizes
 from rayfed_proto.config import ConfigError, build_config
 from rayfed_proto.runtime.policies import ServerNeeds, VirtualAsync
 from rayfed_proto.runtime.simclock import VirtualClock
+from rayfed_proto.runtime.stepping import SimulatedSteps
 from rayfed_proto.system import SystemModel, server_speed, server_step_work_s
 
 
@@ -53,7 +54,7 @@ class Federation:
         return [c for c in range(self.n) if c not in self.busy]
 
     def dispatch(self, client):
-        from rayfed_proto.runtime.policies import Pending
+        from rayfed_proto.runtime.inflight import Pending
 
         self.busy.add(client)
         self.trained_on.append((client, self.version))
@@ -89,7 +90,7 @@ class Federation:
 
 def run(step_s: float, rounds: int = 12, k: int = 3, n: int = 10, concurrency: int = 5, seed: int = 0):
     clock = VirtualClock(System(n, step_s), seed)
-    policy = VirtualAsync(n, concurrency, ServerNeeds(k, False, math.inf, steps_on_request=True),
+    policy = VirtualAsync(n, concurrency, ServerNeeds(SimulatedSteps(k), math.inf),
                           np.random.default_rng(seed), clock)
     fed = Federation(policy, rounds, k)
     policy.bind(fed)

@@ -1,4 +1,4 @@
-"""Asynchronous server policies of the weight-sharing methods (mix, FedAsync, FedBuff) against
+"""Asynchronous server rules of the weight-sharing methods (mix, FedAsync, FedBuff) against
 numbers computed by hand; the reduction to FedAvg in sync mode for FedAvg, FedLSA and FedSC;
 option errors; state round trip."""
 
@@ -143,24 +143,24 @@ def train_round(name, opts, server, version, clients=None):
 
 
 @pytest.mark.parametrize("name", WEIGHT_SHARING)
-@pytest.mark.parametrize("policy,kw", [
+@pytest.mark.parametrize("rule,kw", [
     ("mix", {}),
     ("fedasync", {"fedasync_alpha": 1.0}),
     ("fedasync", {"fedasync_alpha": 1.0, "staleness_function": "hinge", "hinge_b": 0.0}),
     ("fedbuff", {}),
     ("fedbuff", {"staleness_function": "constant"}),
 ])
-def test_sync_round_is_fedavg_for_every_policy(name, policy, kw):
-    """Staleness 0 and the whole round in the buffer: every policy (at rate 1) gives FedAvg's
+def test_sync_round_is_fedavg_for_every_policy(name, rule, kw):
+    """Staleness 0 and the whole round in the buffer: every rule (at rate 1) gives FedAvg's
     sample-weighted average of the trained models, BatchNorm counters included."""
-    fedavg_opts, opts = options(name), options(name, server_rule=policy, **kw)
+    fedavg_opts, opts = options(name), options(name, server_rule=rule, **kw)
     reference, server = ALGORITHMS.get(name).Server(fedavg_opts, spec(), CPU), ALGORITHMS.get(name).Server(opts, spec(), CPU)
     plain = train_round(name, fedavg_opts, reference, 1)  # full models (mix is today's FedAvg path)
     ups = train_round(name, opts, server, 1)
     for p, u in zip(plain, ups, strict=True):  # same training: fedbuff uploads exactly y_Q - y_0
         for k in p.weights:
             start = server.global_weights[k]
-            expected = p.weights[k] - start if policy == "fedbuff" else p.weights[k]
+            expected = p.weights[k] - start if rule == "fedbuff" else p.weights[k]
             np.testing.assert_array_equal(u.weights[k], expected.astype(start.dtype))
     fedavg = average_weights([p.weights for p in plain], [float(u.num_samples) for u in plain])  # FedAvg, by hand
     metrics = server.aggregate(ups, [1.0] * 3, version=1)
@@ -169,17 +169,17 @@ def test_sync_round_is_fedavg_for_every_policy(name, policy, kw):
     assert any("num_batches_tracked" in k for k in got)
     for k, v in fedavg.items():
         assert got[k].dtype == v.dtype
-        if policy == "fedbuff":  # x + mean delta: float rounding only
+        if rule == "fedbuff":  # x + mean delta: float rounding only
             np.testing.assert_allclose(got[k], v, rtol=0, atol=1e-6, err_msg=k)
         else:
             np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
-@pytest.mark.parametrize("policy", ["fedasync", "fedbuff"])
-def test_rate_below_one_in_sync_is_not_fedavg(policy):
+@pytest.mark.parametrize("rule", ["fedasync", "fedbuff"])
+def test_rate_below_one_in_sync_is_not_fedavg(rule):
     # the sync test above can fail: with alpha / eta_g = 0.5 the step is half way
-    kw = {"fedasync_alpha": 0.5} if policy == "fedasync" else {"server_lr": 0.5}
-    opts = options("fedavg", server_rule=policy, **kw)
+    kw = {"fedasync_alpha": 0.5} if rule == "fedasync" else {"server_lr": 0.5}
+    opts = options("fedavg", server_rule=rule, **kw)
     server = ALGORITHMS.get("fedavg").Server(opts, spec(), CPU)
     x0 = {k: v.copy() for k, v in server.global_weights.items()}
     plain = train_round("fedavg", options("fedavg"), ALGORITHMS.get("fedavg").Server(options("fedavg"), spec(), CPU), 1)
@@ -190,9 +190,9 @@ def test_rate_below_one_in_sync_is_not_fedavg(policy):
     assert not np.allclose(w, fedavg["head.weight"], atol=1e-6)
 
 
-def _server_with(weights, policy, **kw):
+def _server_with(weights, rule, **kw):
     algo = ALGORITHMS.get("fedavg")
-    server = algo.Server(algo.Options(server_rule=policy, **kw),
+    server = algo.Server(algo.Options(server_rule=rule, **kw),
                          FederationSpec(num_clients=3, num_classes=2, feature_dim=2, seed=0,
                                         build_model=lambda: torch.nn.Linear(2, 2, bias=False)), CPU)
     server.global_weights = {"weight": np.full((2, 2), weights, np.float32)}
@@ -251,10 +251,10 @@ def test_fedbuff_start_snapshot_is_not_kept_after_the_upload():
 # ----------------------------------------------------------------------------- state round trip
 
 @pytest.mark.parametrize("name", WEIGHT_SHARING)
-@pytest.mark.parametrize("policy", ["fedasync", "fedbuff"])
-def test_state_dict_round_trip_continues_identically(name, policy):
+@pytest.mark.parametrize("rule", ["fedasync", "fedbuff"])
+def test_state_dict_round_trip_continues_identically(name, rule):
     algo = ALGORITHMS.get(name)
-    opts = options(name, server_rule=policy)
+    opts = options(name, server_rule=rule)
     server = algo.Server(opts, spec(), CPU)
     server.aggregate(train_round(name, opts, server, 1), [1.0] * 3, 1)
     state = server.state_dict()

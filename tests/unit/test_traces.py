@@ -12,6 +12,7 @@ import pytest
 from rayfed_proto.config import ConfigError, build_config, semantic_issues
 from rayfed_proto.runtime.policies import ServerNeeds, SyncRounds, VirtualAsync
 from rayfed_proto.runtime.simclock import VirtualClock
+from rayfed_proto.runtime.stepping import SimulatedSteps
 from rayfed_proto.system import (
     SystemModel,
     fedscale_bandwidths,
@@ -241,7 +242,7 @@ class Port:
         return self.version < self.rounds
 
     def dispatch(self, client):
-        from rayfed_proto.runtime.policies import Pending
+        from rayfed_proto.runtime.inflight import Pending
 
         self.dispatched.append(client)
         return Pending(lambda *a: None, "train", client=client)
@@ -272,7 +273,7 @@ class Port:
 def test_virtual_async_drops_frees_the_slot_at_the_window_end_and_dispatches_a_replacement():
     # client 0 online [0, 5) only: its 10 s update is lost at 5; client 1 (no windows) replaces it then
     m = model({0: [(0.0, 5.0)]}, availability="csv", compute=(10.0, 3.0))
-    policy = VirtualAsync(2, 1, ServerNeeds(1, False, math.inf), np.random.default_rng(1), VirtualClock(m, seed=0))
+    policy = VirtualAsync(2, 1, ServerNeeds(SimulatedSteps(1), math.inf), np.random.default_rng(1), VirtualClock(m, seed=0))
     port = Port(2)
     policy.bind(port)
     policy.fill()
@@ -293,7 +294,7 @@ def test_sync_round_goes_on_without_a_dropped_update_and_lasts_until_the_client_
     policy.fill()
     assert sorted(port.dispatched) == [0, 1]
     entries = {e.client: e for e in policy.clock.entries.values()}
-    from rayfed_proto.runtime.policies import Pending
+    from rayfed_proto.runtime.inflight import Pending
 
     for c in (0, 1):
         p = Pending(lambda *a: None, "train", client=c, entry=entries[c])

@@ -50,7 +50,7 @@ def test_trailing_batch_config_default_and_clear_error():
 
 def test_the_client_runner_takes_the_setting():
     from rayfed_proto.data import load_dataset, make_partition
-    from rayfed_proto.runtime.core import ClientHost
+    from rayfed_proto.runtime.client_core import ClientHost
 
     cfg = build_config({}, ["federation.num_clients=2", "model.group=HtFE1", "data.image_size=8",
                             "training.batch_size=16", "training.trailing_batch=drop", "data.global_test_fraction=0"])
