@@ -337,7 +337,6 @@ def _finish(run: RunState, final_version: int) -> RunResult:
     if target_metrics := run_end.time_to_target_metrics(run.history, cfg.tracking.target_accuracy):
         tracker.log_metrics(target_metrics, step=final_version)
     placements = actor_infos(scheduler.actors + [scheduler.server])  # peak memory at the end
-    tracker.log_metrics(run_end.actor_memory_metrics(placements), step=final_version)
     run.run_log.actor_memory(placements, final_version)
     bank = ray.get(scheduler.server.guidance_bank.remote())
     models = run.run_log.collect_models(scheduler.server, scheduler.actors, run.groups, scheduler.global_ref,

@@ -106,14 +106,18 @@ class RunLogging:
     def actor_memory(self, placements: list[dict[str, Any]], step: int) -> None:
         """Each actor's peak RSS and PSS at the end (the last placement is the server's): one row
         per actor in the table ``tables/actor_memory.json`` (a chart of one point per actor would
-        only be a dot), and the server's PSS as a metric beside the clients' max and total."""
+        only be a dot), and as metrics the clients' peak RSS and PSS (max, total) and the server's
+        (:func:`run_end.actor_memory_metrics`): every memory figure of a run is logged here."""
         import pandas as pd
+
+        from rayfed_proto.tracking.run_end import actor_memory_metrics  # pandas, as here
 
         rows = [{"actor": f"client_actor_{a}", **{f: p.get(f, float("nan")) for f in names.ACTOR_MEMORY}}
                 for a, p in enumerate(placements[:-1][:MAX_ACTORS_LOGGED])]
         if placements:
             rows.append({"actor": "server", **{f: placements[-1].get(f, float("nan")) for f in names.ACTOR_MEMORY}})
-            self.tracker.log_metrics({names.SYSTEM_SERVER_PSS_MIB: placements[-1].get("pss_mib", float("nan"))},
+            aggregates = actor_memory_metrics(placements) if len(placements) > 1 else {}
+            self.tracker.log_metrics({**aggregates, names.SYSTEM_SERVER_PSS_MIB: placements[-1].get("pss_mib", float("nan"))},
                                      step=step)
             self.tracker.log_table(pd.DataFrame(rows), "tables/actor_memory.json")
 

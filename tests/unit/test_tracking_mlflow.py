@@ -120,7 +120,9 @@ def test_the_drivers_metric_helpers_use_the_table():
     assert frame[["version", "client_id"]].values.tolist() == [[2, 0], [2, 1], [3, 0], [3, 1]]
     assert frame["head_acc"].tolist()[:2] == pytest.approx([0.8, frame["head_acc"].iloc[1]])
     # per actor: a table, not one single-point chart per actor and figure (issue 26, item 7)
-    assert logged[0] == {names.SYSTEM_SERVER_PSS_MIB: 4.0}
+    assert logged[0] == {names.SYSTEM_SERVER_PSS_MIB: 4.0, names.SYSTEM_SERVER_PEAK_RSS_MIB: 3.0,  # every memory figure here
+                         names.SYSTEM_CLIENT_PEAK_RSS_MIB_MAX: 1.0, names.SYSTEM_CLIENT_PSS_MIB_MAX: 2.0,
+                         names.SYSTEM_CLIENT_PSS_MIB_TOTAL: 2.0}
     (path, frame), = tables
     assert path == "tables/actor_memory.json"
     assert frame.to_dict("records") == [{"actor": "client_actor_0", "peak_rss_mib": 1.0, "pss_mib": 2.0},
