@@ -82,14 +82,23 @@ def scenario_runs(tmp: Path, rounds: int):
             cfg(f"garbage_{kind}", ["federation.mode=sync", "checkpoint.every=0", "faults.corrupt_clients=[1]",
                                     f"faults.corrupt_kind={kind}"]), **quiet), None
 
-    def stop_and_resume():
-        common = ["federation.mode=sync", "checkpoint.every=2", "federation.participation=0.5"]
-        straight = run_experiment(cfg("straight", common), **quiet)
+    def stopped_and_resumed(name: str, common: list[str]):
+        """The uninterrupted run, and the same run stopped at the middle version and resumed."""
+        straight = run_experiment(cfg(f"{name}_straight", common), **quiet)
         try:
-            run_experiment(cfg("stopped", common + [f"faults.stop_at_version={rounds // 2 + 1}"]), **quiet)
+            run_experiment(cfg(f"{name}_stopped", common + [f"faults.stop_at_version={rounds // 2 + 1}"]), **quiet)
             raise AssertionError("the stop did not happen")
         except RunInterrupted as stop:
-            resumed = run_experiment(cfg("stopped", common), resume_dir=stop.output_dir, **quiet)
+            resumed = run_experiment(cfg(f"{name}_stopped", common), resume_dir=stop.output_dir, **quiet)
+        return straight, resumed
+
+    def figures(history):  # accuracies, losses and means (staleness included) per evaluated version
+        return {h["version"]: {k: None if v != v else v for k, v in h.items()  # NaN (nothing yet) as None
+                               if k.endswith(("_acc", "loss", "_mean"))} for h in history}
+
+    def stop_and_resume():
+        straight, resumed = stopped_and_resumed(
+            "sync", ["federation.mode=sync", "checkpoint.every=2", "federation.participation=0.5"])
         a, b = straight.history[-1], resumed.history[-1]
         keys = [k for k in a if k.endswith(("_acc", "loss", "_mean")) and not k.startswith("federation/")]
         differ = [k for k in keys if a[k] != b.get(k)]
@@ -102,19 +111,10 @@ def scenario_runs(tmp: Path, rounds: int):
 
     def stop_async_between_evaluations():
         # issue 45: a stop at a version that is not evaluated (eval_every 3), resumed; on the
-        # virtual clock the resumed run must equal the uninterrupted one
-        common = ["federation.mode=async", "federation.buffer_size=1", "federation.concurrency=2",
-                  "federation.eval_every=3", "checkpoint.every=2", "system={speed: {kind: lognormal, sigma: 1.0}}"]
-        straight = run_experiment(cfg("async_straight", common), **quiet)
-        try:
-            run_experiment(cfg("async_stopped", common + [f"faults.stop_at_version={rounds // 2 + 1}"]), **quiet)
-            raise AssertionError("the stop did not happen")
-        except RunInterrupted as stop:
-            resumed = run_experiment(cfg("async_stopped", common), resume_dir=stop.output_dir, **quiet)
-        def figures(history):  # accuracies, losses and means (staleness included) per evaluated version
-            return {h["version"]: {k: None if v != v else v for k, v in h.items()  # NaN (nothing yet) as None
-                                   if k.endswith(("_acc", "loss", "_mean"))} for h in history}
-
+        # virtual clock the resumed run must equal the uninterrupted one at every evaluated version
+        straight, resumed = stopped_and_resumed("async", [
+            "federation.mode=async", "federation.buffer_size=1", "federation.concurrency=2", "federation.eval_every=3",
+            "checkpoint.every=2", "system={speed: {kind: lognormal, sigma: 1.0}}"])
         a, b = figures(straight.history), figures(resumed.history)
         differ = sorted(v for v in a.keys() | b.keys() if a.get(v) != b.get(v))
         if differ:

@@ -559,6 +559,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLflow experiment of the comparison run (default: rayfed_proto_compare)")
     p.add_argument("--no-log", action="store_true", help="write the files only, log no comparison run")
     p.set_defaults(func=cmd_compare)
+    _add_reproduce_parser(sub)
+    return parser
+
+
+def _add_reproduce_parser(sub) -> None:
+    """``rayfed-proto reproduce PAPER [TABLE]`` (docs/reproduce.md)."""
     p = sub.add_parser("reproduce", help="run a paper's table (3 seeds per method) and set ours beside its numbers")
     p.add_argument("paper", nargs="?", metavar="PAPER", help="fedsa, fedlsa, fedprotokd, fedsc or fedsap (--list)")
     p.add_argument("table", nargs="?", metavar="TABLE", help="the paper's table, e.g. table2 (default: its main table)")
@@ -579,7 +585,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the runs (presets and overrides) and exit: no Ray")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     p.set_defaults(func=cmd_reproduce)
-    return parser
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -58,22 +58,31 @@ def _accuracy(host: ClientHost, state: GlobalState) -> float:
     return 100.0 * sum(r["head_correct"] for r in res) / sum(r["n"] for r in res)
 
 
-def _rounds(cfg, ds, part, public_x, mode: str, rounds: int):
-    """``rounds`` sync rounds of every client on one host; the parameters after round 1, the
-    metadata of each round and the final accuracy."""
-    host = _host(cfg, ds, part, public_x, mode)
-    server = ServerCore(cfg, ds.num_classes, ds.channels, ds.image_size, CPU, ServerNeeds(OnRequest(), 10),
-                        public_x=public_x)
-    after_first, metas = None, []
+def _train_rounds(host: ClientHost, cfg, ds, public_x, rounds: int, server=None, after_round=None):
+    """``rounds`` sync rounds of every client of ``host`` against one server (``after_round(r)``
+    after each): the server and each round's metadata."""
+    server = server or ServerCore(cfg, ds.num_classes, ds.channels, ds.image_size, CPU, ServerNeeds(OnRequest(), 10),
+                                  public_x=public_x)
+    metas = []
     for r in range(rounds):
         results = host.train_group(host.client_ids, server.state)
         metas.append([m for m, _ in results])
         for _, u in results:
             assert server.submit(u)["accepted"]
         server.step()
-        if r == 0:
-            after_first = _params(host)
-    return after_first, metas, _accuracy(host, server.state), host
+        if after_round is not None:
+            after_round(r)
+    return server, metas
+
+
+def _rounds(cfg, ds, part, public_x, mode: str, rounds: int):
+    """``rounds`` sync rounds of every client on one host; the parameters after round 1, the
+    metadata of each round and the final accuracy."""
+    host = _host(cfg, ds, part, public_x, mode)
+    first = []
+    server, metas = _train_rounds(host, cfg, ds, public_x, rounds,
+                                  after_round=lambda r: first.append(_params(host)) if r == 0 else None)
+    return first[0], metas, _accuracy(host, server.state), host
 
 
 def _assert_close(a: dict, b: dict, rtol: float) -> None:

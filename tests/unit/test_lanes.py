@@ -9,9 +9,6 @@ import torch
 
 from rayfed_proto.config import ConfigError, build_config
 from rayfed_proto.runtime import batched
-from rayfed_proto.runtime.policies import ServerNeeds
-from rayfed_proto.runtime.server_core import ServerCore
-from rayfed_proto.runtime.stepping import OnRequest
 from tests.unit.test_batched_clients import (  # noqa: F401  (float64 and _one_thread are fixtures)
     BATCHED,
     CPU,
@@ -22,6 +19,7 @@ from tests.unit.test_batched_clients import (  # noqa: F401  (float64 and _one_t
     _one_thread,
     _params,
     _relative_gap,
+    _train_rounds,
     float64,
 )
 
@@ -97,19 +95,6 @@ def test_a_client_with_an_empty_split_takes_its_lane_as_alone():
     for a, b in zip(alone, lanes, strict=True):
         for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True):
             torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
-
-
-def _train_rounds(host, cfg, ds, public_x, rounds: int, server=None):
-    server = server or ServerCore(cfg, ds.num_classes, ds.channels, ds.image_size, CPU, ServerNeeds(OnRequest(), 10),
-                                  public_x=public_x)
-    metas = []
-    for _ in range(rounds):
-        results = host.train_group(host.client_ids, server.state)
-        metas.append([m for m, _ in results])
-        for _, u in results:
-            assert server.submit(u)["accepted"]
-        server.step()
-    return server, metas
 
 
 @pytest.mark.usefixtures("float64")
