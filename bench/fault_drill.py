@@ -54,7 +54,8 @@ def _kill_at(part: str, versions: set[int]):
 
 def scenario_runs(tmp: Path, rounds: int):
     from rayfed_proto.config import build_config
-    from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+    from rayfed_proto.runtime.driver import run_experiment
+    from rayfed_proto.runtime.signals import RunInterrupted
 
     def cfg(name, extra):
         return build_config({}, BASE + [f"tracking.tracking_uri=sqlite:///{tmp / 'mlflow.db'}",
@@ -131,10 +132,11 @@ def guard_scenarios(tmp: Path, rounds: int):
     from mlflow.tracking import MlflowClient
 
     from rayfed_proto.config import InputError, build_config
-    from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+    from rayfed_proto.runtime.driver import run_experiment
     from rayfed_proto.runtime.preparation import checkpoint_store
     from rayfed_proto.runtime.progress import NoProgressError
     from rayfed_proto.runtime.runfolder import RunFolderLock
+    from rayfed_proto.runtime.signals import RunInterrupted
 
     uri = f"sqlite:///{tmp / 'mlflow.db'}"
 
@@ -342,9 +344,10 @@ def issue40_guards(tmp: Path, cfg, uri: str):
     from mlflow.tracking import MlflowClient
 
     from rayfed_proto.config import ConfigError, InputError, build_config
-    from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+    from rayfed_proto.runtime.driver import run_experiment
     from rayfed_proto.runtime.preparation import checkpoint_store
     from rayfed_proto.runtime.runfolder import RunFault
+    from rayfed_proto.runtime.signals import RunInterrupted
     from rayfed_proto.tracking import run_end
 
     quiet = {"progress": False, "echo": lambda s: None}

@@ -109,7 +109,8 @@ def child(spec: dict) -> None:
     import time
 
     from rayfed_proto.config import build_config
-    from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+    from rayfed_proto.runtime.driver import run_experiment
+    from rayfed_proto.runtime.signals import RunInterrupted
 
     t0, formed = time.perf_counter(), {}
     kwargs = {"progress": False, "on_version": lambda v: formed.setdefault(int(v), time.perf_counter() - t0)}

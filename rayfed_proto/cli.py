@@ -611,7 +611,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as e:
-        from rayfed_proto.runtime.driver import RunInterrupted
+        from rayfed_proto.runtime.signals import RunInterrupted
 
         if isinstance(e, RunInterrupted):  # drained and checkpointed: say how to resume
             print(f"\n{e}", file=sys.stderr)

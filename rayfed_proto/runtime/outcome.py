@@ -30,23 +30,24 @@ class Outcome:
 
 
 @contextmanager
-def run_outcome(run) -> Iterator[Outcome]:
-    """The exception-to-status ladder of a tracked run (``run``: its RunState: ``out``, ``store``,
-    ``tracker``); the caller ends the MLflow run with ``outcome.status`` however it ends."""
+def run_outcome(folder, tracker) -> Iterator[Outcome]:
+    """The exception-to-status ladder of a tracked run (``folder``: its :class:`~rayfed_proto.
+    runtime.run_state.RunFolder`, ``tracker``: its MLflow run); the caller ends the MLflow run with
+    ``outcome.status`` however it ends."""
     from rayfed_proto.runtime.checkpoint import CheckpointError  # here: it imports torch (see preparation.resume_point)
 
     outcome = Outcome()
     try:
         yield outcome
     except StartupStopped as stop:  # a resumed run KILLED (its checkpoint stands), a new one FAILED with the reason
-        outcome.status, msg, version = signals.stopped_in_startup(run, stop)
-        raise RunInterrupted(msg, run.out, version, stop.signal_name) from None
+        outcome.status, msg, version = signals.stopped_in_startup(folder, tracker, stop)
+        raise RunInterrupted(msg, folder.out, version, stop.signal_name) from None
     except CheckpointError:  # a client state damaged since the scan (its checksum, at the restore): refused as input,
-        outcome.status = getattr(run.tracker, "resumed_status", None) or "FAILED"  # the run's status left as it was
+        outcome.status = getattr(tracker, "resumed_status", None) or "FAILED"  # the run's status left as it was
         raise
     except OSError as e:  # a disk that filled, a folder made unwritable: a fault (exit 1), named, with what was kept
-        fault = runfolder.RunFault.during_run(e, run.out, run.store)
-        run.tracker.set_tags({"failure_reason": str(fault)[:5000]})
+        fault = runfolder.RunFault.during_run(e, folder.out, folder.store)
+        tracker.set_tags({"failure_reason": str(fault)[:5000]})
         raise fault from None
     except RunInterrupted:
         outcome.status = "KILLED"
@@ -54,12 +55,12 @@ def run_outcome(run) -> Iterator[Outcome]:
     except (KeyboardInterrupt, SystemExit) as e:  # SystemExit: a Tune trial told to stop, a stop and not a failure
         outcome.status = "KILLED"
         if isinstance(e, KeyboardInterrupt):  # a second Ctrl-C: stopped at once, no drain
-            raise signals.stopped_at_once(run.store, run.out, run.tracker) from None
+            raise signals.stopped_at_once(folder.store, folder.out, tracker) from None
         raise
 
 
 @contextmanager
-def refused_unless_resumable(run) -> Iterator[None]:
+def refused_unless_resumable(folder) -> Iterator[None]:
     """A resume whose restore or evaluation-log hand-over raises cannot go on: refused as input
     (:class:`CheckpointError`, exit 2), so that the MLflow run ends with the status it had
     (KILLED after a stop, never FAILED) and the folder keeps its checkpoints and history (nothing
@@ -69,10 +70,10 @@ def refused_unless_resumable(run) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if run.ckpt is None or isinstance(e, CheckpointError):
+        if folder.ckpt is None or isinstance(e, CheckpointError):
             raise
-        log.debug("the resume of %s failed before its first step", run.out, exc_info=True)
+        log.debug("the resume of %s failed before its first step", folder.out, exc_info=True)
         raise CheckpointError(
-            f"cannot resume {run.out} from its checkpoint of version {run.ckpt.version} ({type(e).__name__}: {e}); "
+            f"cannot resume {folder.out} from its checkpoint of version {folder.ckpt.version} ({type(e).__name__}: {e}); "
             "nothing was changed: the MLflow run keeps its status and the folder its checkpoints and history. Run "
             "with -v for the traceback, and report it with the checkpoint folder") from e

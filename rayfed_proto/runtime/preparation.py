@@ -21,6 +21,7 @@ from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.data.datasets import dataset_warnings
 from rayfed_proto.runtime import runfolder
 from rayfed_proto.runtime.policies import min_update_starts
+from rayfed_proto.runtime.run_state import RunData, RunFolder
 
 if TYPE_CHECKING:
     from rayfed_proto.runtime.checkpoint import CheckpointStore
@@ -112,15 +113,33 @@ def ensure_ray(cfg: ExperimentConfig) -> None:
         ray.init(num_cpus=cfg.resources.num_cpus, num_gpus=cfg.resources.num_gpus, **kwargs)
 
 
-def resumed_folder(cfg: ExperimentConfig, resume_dir, folder_locks) -> tuple[Path, CheckpointStore, Any, Any]:
-    """``run --resume DIR``: the folder (locked first: a second driver is refused at once), its
-    checkpoint store, the checkpoint to continue from (:func:`resume_point`) and the partition
+def resumed_folder(cfg: ExperimentConfig, resume_dir, folder_locks) -> tuple[RunFolder, Any]:
+    """``run --resume DIR``: the folder (locked first: a second driver is refused at once) with its
+    checkpoint store and the checkpoint to continue from (:func:`resume_point`), and the partition
     (a damaged file refused, naming it and what to do)."""
     out = Path(resume_dir).resolve()
     folder_locks.enter_context(runfolder.RunFolderLock(out))
     store = checkpoint_store(cfg, out)
     ckpt = resume_point(cfg, out, store)
-    return out, store, ckpt, runfolder.load_partition(out)
+    return RunFolder(out, store, ckpt), runfolder.load_partition(out)
+
+
+def read_data(cfg: ExperimentConfig, partition=None, start_version: int = 0) -> RunData:
+    """The dataset, the clients' partition (a resume's own, else made from the dataset) and their
+    system profiles, each refused as input when this config cannot use it; the simulated clients'
+    availability checked from ``start_version`` on. Only the driver ever reads the data."""
+    dataset = load_data(cfg)
+    if partition is None:
+        partition = partition_for(cfg, dataset)
+    system = system_model(cfg, partition, dataset.num_classes, dataset.channels, dataset.image_size)
+    check_availability(cfg, system, start_version)
+    if cfg.resources.address is None and cfg.resources.parks_clients(cfg.federation.num_clients) \
+            and cfg.resources.parks_on_disk(cfg.federation.num_clients):  # a local Ray: the workers' folder is this node's
+        # here: it imports torch, which the other checks need not wait for
+        from rayfed_proto.runtime.parking import check_park_dir
+
+        check_park_dir(cfg.resources.park_dir)
+    return RunData(dataset, partition, system)
 
 
 def load_data(cfg: ExperimentConfig):
@@ -140,7 +159,7 @@ def checkpoint_store(cfg: ExperimentConfig, out: Path) -> CheckpointStore:
     return CheckpointStore(cfg.checkpoint.dir or (out / "checkpoints"), keep=cfg.checkpoint.keep)
 
 
-def new_output_folder(cfg: ExperimentConfig, folder_locks) -> tuple[Path, CheckpointStore]:
+def new_output_folder(cfg: ExperimentConfig, folder_locks) -> RunFolder:
     """The run's folder, created, checked writable (with the checkpoint store) and locked; only
     once the data and partition are known to be usable, and before Ray starts."""
     out = output_dir(cfg)
@@ -151,7 +170,7 @@ def new_output_folder(cfg: ExperimentConfig, folder_locks) -> tuple[Path, Checkp
         shutil.rmtree(out, ignore_errors=True)
         raise
     folder_locks.enter_context(runfolder.RunFolderLock(out))
-    return out, store
+    return RunFolder(out, store)
 
 
 def write_run_files(out: Path, cfg: ExperimentConfig, partition, echo) -> None:
@@ -216,8 +235,20 @@ def system_model(cfg: ExperimentConfig, partition, num_classes: int, channels: i
                                    work=work, server_work=server_work)
 
 
+_RUNS_STARTED = 0  # runs started in this process: the first one's startup includes the process's
+
+
+def run_start_unix() -> float:
+    """When a run starts, for its ``federation/startup_s`` (to its first update): the process's
+    start for the first run of a process (its imports and Ray's start count too), now for the
+    next ones."""
+    global _RUNS_STARTED
+    _RUNS_STARTED += 1
+    return process_start_unix() if _RUNS_STARTED == 1 else time.time()
+
+
 def process_start_unix() -> float:
-    """When this process started (the first run's startup counts the imports and Ray's start too)."""
+    """When this process started."""
     try:
         import psutil  # here: optional; without it the startup is counted from this call
 

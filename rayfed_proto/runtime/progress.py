@@ -1,4 +1,5 @@
-"""Detecting a run that makes no progress, so that it stops with a reason instead of spinning.
+"""A run's progress: shown (:class:`ProgressBar`), and watched, so that a run that makes none
+stops with a reason instead of spinning (:class:`ProgressWatch`).
 
 Two independent limits (``reliability.*``):
 
@@ -82,3 +83,31 @@ class ProgressWatch:
                 f"{self.timeout_s:g}) after version {version}"
                 + (f"; last refusals: {'; '.join(self.last_reasons)}" if self.last_reasons else "")
                 + ". Check the actors' logs, or raise the limit for very slow rounds", version)
+
+
+class ProgressBar:
+    """The run's progress bar over its versions, with the last evaluation's figures
+    (:func:`~rayfed_proto.tracking.run_end.bar_postfix`); nothing at all when ``show`` is False."""
+
+    def __init__(self, show: bool, total: int, initial: int, desc: str):
+        self._bar = None
+        if show:
+            from tqdm.auto import tqdm  # here: only a run that shows progress needs it
+
+            self._bar = tqdm(total=total, initial=initial, desc=desc, unit="version", dynamic_ncols=True)
+
+    def reached(self, version: int) -> None:
+        if self._bar is not None:
+            self._bar.update(max(0, version - self._bar.n))
+
+    def evaluated(self, metrics: dict[str, Any]) -> None:
+        if self._bar is not None:
+            from rayfed_proto.tracking.run_end import bar_postfix  # here: it imports pandas, once Ray runs
+
+            self._bar.set_postfix(bar_postfix(metrics), refresh=True)
+
+    def close(self) -> None:
+        """Once, at the run's end or when it stops (a second call does nothing)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

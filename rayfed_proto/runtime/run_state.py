@@ -1,4 +1,6 @@
-"""The plain data of one run: what the driver's steps share (:class:`RunState`) and what a run
+"""The plain data the driver's steps hand each other, each made by one step: where the run lives
+(:class:`RunFolder`, by the preparation), what it read (:class:`RunData`), its working parts once
+Ray is up (:class:`Federation`), who listens (:class:`Listeners`, the caller's), and what a run
 returns (:class:`RunResult`)."""
 
 from __future__ import annotations
@@ -8,15 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from rayfed_proto.config import ExperimentConfig
-
 if TYPE_CHECKING:
+    from rayfed_proto.data.base import ArrayDataset
     from rayfed_proto.data.partition import Partition
     from rayfed_proto.runtime.checkpoint import Checkpoint, CheckpointStore
     from rayfed_proto.runtime.fleet import ActorFleet
     from rayfed_proto.runtime.policies import FederationPolicy
     from rayfed_proto.runtime.resources import ResourcePlan
-    from rayfed_proto.runtime.scheduler import Scheduler
     from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
     from rayfed_proto.tracking.run_logging import RunLogging
 
@@ -34,29 +34,66 @@ class RunResult:
     client_updates: dict[int, int] = field(default_factory=dict)  # client -> local updates dispatched to it
 
 
-@dataclass
-class RunState:
-    """What the steps of one run share (filled in step by step)."""
+@dataclass(frozen=True)
+class RunFolder:
+    """Where a run lives: its output folder (locked), its checkpoint store and, when resuming, the
+    checkpoint it continues from (:mod:`rayfed_proto.runtime.preparation`)."""
 
-    cfg: ExperimentConfig
-    echo: Callable[[str], None]
-    progress: bool
-    started_unix: float = 0.0  # when the run started (startup_s)
-    out: Optional[Path] = None
-    store: Optional[CheckpointStore] = None
-    ckpt: Optional[Checkpoint] = None  # the checkpoint a resume continues from
-    partition: Optional[Partition] = None
-    shape: tuple[int, int, int] = (0, 0, 0)  # classes, channels, image size
-    class_names: list[str] = field(default_factory=list)
-    plan: Optional[ResourcePlan] = None
-    fleet: Optional[ActorFleet] = None
-    groups: list[list[int]] = field(default_factory=list)  # the clients of each worker
-    tracker: Optional[MlflowTracker] = None  # or a NullTracker (tracking disabled)
-    run_log: Optional[RunLogging] = None
-    run_id: Optional[str] = None
-    driver_state: dict[str, Any] = field(default_factory=dict)  # the checkpoint's scheduler state and history
-    history: list[dict[str, Any]] = field(default_factory=list)
-    start_version: int = 0
-    bar: Any = None  # the tqdm progress bar, when shown
-    scheduler: Optional[Scheduler] = None
-    policy: Optional[FederationPolicy] = None  # the federation mode as one object (runtime.policies)
+    out: Path
+    store: CheckpointStore
+    ckpt: Optional[Checkpoint] = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.ckpt is not None
+
+
+@dataclass(frozen=True)
+class RunData:
+    """What the driver read before Ray starts: the dataset (only the driver reads it; the actors
+    map it from the object store), the clients' partition and their system profiles (None:
+    wall-clock mode)."""
+
+    dataset: ArrayDataset
+    partition: Partition
+    system: Any = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """Classes, channels, image size."""
+        return self.dataset.num_classes, self.dataset.channels, self.dataset.image_size
+
+
+@dataclass(frozen=True)
+class Federation:
+    """A run's working parts once Ray is up: the tracker, the resource plan, the worker actors
+    (the fleet) and the clients each one holds, the federation policy (the mode as one object),
+    the run's MLflow logging with its evaluation history (restored when resuming) and the
+    checkpoint's scheduler state ({} for a new run)."""
+
+    tracker: MlflowTracker  # or a NullTracker (tracking disabled)
+    plan: ResourcePlan
+    fleet: ActorFleet
+    groups: list[list[int]]  # the clients of each worker
+    policy: FederationPolicy
+    run_log: RunLogging
+    shape: tuple[int, int, int]  # classes, channels, image size
+    class_names: list[str]
+    scheduler_state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """One row per evaluation: the run's metrics at its version."""
+        return self.run_log.history
+
+
+@dataclass(frozen=True)
+class Listeners:
+    """What the caller of ``run_experiment`` listens with: ``echo`` for the run's lines, a progress
+    bar or not, ``on_eval(version, metrics)`` after each evaluation (Tune) and ``on_version(version)``
+    as soon as the driver learns of a new version."""
+
+    echo: Callable[[str], None] = print
+    progress: bool = True
+    on_eval: Optional[Callable[[int, dict[str, Any]], None]] = None
+    on_version: Optional[Callable[[int], None]] = None

@@ -114,33 +114,35 @@ def ray_keeps_our_handlers():
                 signal.signal(sig, handler)
 
 
-def stopped_before_tracking(run, stop: StartupStopped) -> tuple[str, int]:
-    """A signal before the MLflow run existed (``run``: the driver's run so far): the workers
-    released and a new run's folder removed (nothing refers to it); a resumed run's folder and
-    checkpoint are as they were. The message and the version to report."""
-    if run.fleet is not None:
-        run.fleet.shutdown()
-    if run.ckpt is None:
-        if run.out is not None:
-            shutil.rmtree(run.out, ignore_errors=True)
+def stopped_before_tracking(folder, fleet, stop: StartupStopped) -> tuple[str, int]:
+    """A signal before the MLflow run existed (``folder``: the run's :class:`~rayfed_proto.runtime.
+    run_state.RunFolder`, None before it was made; ``fleet``: the workers, None before they were
+    started or once released): the workers released and a new run's folder removed (nothing refers
+    to it); a resumed run's folder and checkpoint are as they were. The message and the version to
+    report."""
+    if fleet is not None:
+        fleet.shutdown()
+    if folder is None or folder.ckpt is None:
+        if folder is not None:
+            shutil.rmtree(folder.out, ignore_errors=True)
         return f"stopped ({stop.signal_name}) while the run was starting ({stop.stage}): nothing was kept", 0
     return (f"stopped ({stop.signal_name}) while the run was starting ({stop.stage}); the run folder and its checkpoint "
-            f"of version {run.ckpt.version} are unchanged.\nResume with: rayfed-proto run --resume {run.out}",
-            run.ckpt.version)
+            f"of version {folder.ckpt.version} are unchanged.\nResume with: rayfed-proto run --resume {folder.out}",
+            folder.ckpt.version)
 
 
-def stopped_in_startup(run, stop: StartupStopped) -> tuple[str, str, int]:
+def stopped_in_startup(folder, tracker, stop: StartupStopped) -> tuple[str, str, int]:
     """A signal after the MLflow run existed, before the scheduler ran: a resumed run is KILLED
     (its checkpoint still stands: resume again), a new one FAILED with the reason as
     ``failure_reason`` (nothing was formed). The MLflow status, the message and the version."""
-    if run.ckpt is not None:
-        run.tracker.set_tags({"stopped": f"{stop.signal_name} during start-up", "resume_from": str(run.out)})
+    if folder.ckpt is not None:
+        tracker.set_tags({"stopped": f"{stop.signal_name} during start-up", "resume_from": str(folder.out)})
         return "KILLED", (f"stopped ({stop.signal_name}) while the run was starting ({stop.stage}); the checkpoint of "
-                          f"version {run.ckpt.version} in {run.ckpt.path} still stands.\nResume with: rayfed-proto run "
-                          f"--resume {run.out}"), run.ckpt.version
+                          f"version {folder.ckpt.version} in {folder.ckpt.path} still stands.\nResume with: rayfed-proto run "
+                          f"--resume {folder.out}"), folder.ckpt.version
     reason = f"stopped by {stop.signal_name} while the run was starting ({stop.stage}), before its first version"
-    run.tracker.set_tags({"failure_reason": reason})
-    return "FAILED", f"{reason}: nothing to resume. Start again with: rayfed-proto run {run.out / 'config.yaml'}", 0
+    tracker.set_tags({"failure_reason": reason})
+    return "FAILED", f"{reason}: nothing to resume. Start again with: rayfed-proto run {folder.out / 'config.yaml'}", 0
 
 
 @dataclass

@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 
 from rayfed_proto.tracking import metric_names as names
-from rayfed_proto.tracking import plots
+from rayfed_proto.tracking import plots, round_metrics
 from rayfed_proto.tracking.report import format_summary_table, history_to_frame, time_to_target
 
 
@@ -92,6 +92,26 @@ def actor_memory_metrics(placements: list[dict[str, Any]]) -> dict[str, float]:
             names.SYSTEM_CLIENT_PSS_MIB_MAX: float(np.nanmax([p["pss_mib"] for p in clients])),
             names.SYSTEM_CLIENT_PSS_MIB_TOTAL: float(np.nansum([p["pss_mib"] for p in clients])),
             names.SYSTEM_SERVER_PEAK_RSS_MIB: placements[-1]["peak_rss_mib"]}
+
+
+def log_end_counters(tracker, stats, history: list[dict[str, Any]], final_version: int, startup_s: Optional[float],
+                     target: Optional[float]) -> None:
+    """At the final version: the run's end counters (``stats``: the scheduler's; each evaluation's
+    as of its version), its startup (run start to first update) and, with
+    ``tracking.target_accuracy``, the time it took to reach it."""
+    tracker.log_metrics(round_metrics.end_counters(stats, history, final_version)
+                        | ({names.FEDERATION_STARTUP_S: startup_s} if startup_s is not None else {}), step=final_version)
+    if target_metrics := time_to_target_metrics(history, target):
+        tracker.log_metrics(target_metrics, step=final_version)
+
+
+def write_end(out: Path, tracker, history, cfg, *, bank, class_names, stats, system, summary_text: str) -> None:
+    """The run's end on disk and in MLflow: the history, plots and final prototypes
+    (:func:`write_final_artifacts`), who took part (:func:`write_participation`) and summary.txt."""
+    write_final_artifacts(out, tracker, history, bank, class_names, cfg)
+    write_participation(out, tracker, cfg.federation.num_clients, stats, system)
+    (out / "summary.txt").write_text(summary_text + "\n")
+    tracker.log_artifact(out / "summary.txt")
 
 
 def write_final_artifacts(out: Path, tracker, history, bank, class_names, cfg) -> None:

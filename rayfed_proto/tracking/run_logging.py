@@ -23,10 +23,14 @@ MAX_ACTORS_LOGGED = 64  # per-actor memory metrics; beyond that only the aggrega
 
 
 class RunLogging:
-    def __init__(self, cfg, tracker, dataset, partition):
+    """What one run logs to MLflow beside the tracker's basics, and its evaluation ``history`` (one
+    row per evaluation: the version and its metrics; a resumed run's starts with its checkpoint's)."""
+
+    def __init__(self, cfg, tracker, dataset, partition, history: Optional[list[dict[str, Any]]] = None):
         from rayfed_proto.models import arch_for_client
 
         self.cfg, self.tracker = cfg, tracker
+        self.history: list[dict[str, Any]] = list(history or [])
         n = cfg.federation.num_clients
         self.archs = [arch_for_client(cfg.model.group, c) for c in range(n)]
         self.class_names = list(dataset.class_names)
@@ -90,6 +94,14 @@ class RunLogging:
             log.warning("could not log the partition table to MLflow: %r", e)
 
     # ------------------------------------------------------------------------------ evaluations
+    def record_eval(self, version: int, metrics: dict[str, Any], counters: dict[str, float]) -> dict[str, Any]:
+        """An evaluation's metrics without the per-client results (:meth:`on_eval`), with the run's
+        ``counters`` as of it (reliability): added to the history and logged at ``version``; returned."""
+        metrics = {**self.on_eval(version, dict(metrics)), **counters}
+        self.history.append({"version": version, **metrics})
+        self.tracker.log_metrics(metrics, step=version)
+        return metrics
+
     def on_eval(self, version: int, metrics: dict[str, Any]) -> dict[str, Any]:
         """Takes the per-client results out of ``metrics`` (returned without them), keeps them for
         ``client_history.parquet`` and, with ``tracking.per_client_metrics``, logs the chosen

@@ -33,8 +33,9 @@ from rayfed_proto import cli
 from rayfed_proto.config import build_config, load_config
 from rayfed_proto.preset_files import default_config_path
 from rayfed_proto.runtime.autoscale import NODE_TYPES_ENV
-from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+from rayfed_proto.runtime.driver import run_experiment
 from rayfed_proto.runtime.fleet import ActorFleet
+from rayfed_proto.runtime.signals import RunInterrupted
 
 pytestmark = pytest.mark.integration
 

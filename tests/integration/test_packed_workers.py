@@ -9,7 +9,8 @@ from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
 from rayfed_proto.runtime import preparation
-from rayfed_proto.runtime.driver import checkpoint_store, run_experiment
+from rayfed_proto.runtime.driver import run_experiment
+from rayfed_proto.runtime.preparation import checkpoint_store
 
 pytestmark = pytest.mark.integration
 

@@ -8,8 +8,9 @@ import ray
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+from rayfed_proto.runtime.driver import run_experiment
 from rayfed_proto.runtime.preparation import checkpoint_store
+from rayfed_proto.runtime.signals import RunInterrupted
 
 pytestmark = pytest.mark.integration
 

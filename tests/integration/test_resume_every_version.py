@@ -14,9 +14,11 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import InputError, build_config
-from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+from rayfed_proto.runtime.driver import run_experiment
 from rayfed_proto.runtime.evaluations import Evaluations
+from rayfed_proto.runtime.preparation import checkpoint_store
 from rayfed_proto.runtime.scheduler import Scheduler
+from rayfed_proto.runtime.signals import RunInterrupted
 from rayfed_proto.tracking import metric_names as names
 
 pytestmark = pytest.mark.integration

@@ -10,9 +10,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+from rayfed_proto.runtime.driver import run_experiment
 from rayfed_proto.runtime.preparation import checkpoint_store
-from rayfed_proto.runtime.signals import signal_cli_at_stage
+from rayfed_proto.runtime.signals import RunInterrupted, signal_cli_at_stage
 
 pytestmark = pytest.mark.integration
 

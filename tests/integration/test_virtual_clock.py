@@ -10,7 +10,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime.driver import RunInterrupted, checkpoint_store, run_experiment
+from rayfed_proto.runtime.driver import run_experiment
+from rayfed_proto.runtime.preparation import checkpoint_store
+from rayfed_proto.runtime.signals import RunInterrupted
 from rayfed_proto.tracking import metric_names as names
 
 pytestmark = pytest.mark.integration

@@ -219,8 +219,8 @@ def _fake_driver(fail_seeds):
     import pandas as pd
 
     from rayfed_proto.runtime import runfolder
-    from rayfed_proto.runtime.driver import RunResult
     from rayfed_proto.runtime.progress import NoProgressError
+    from rayfed_proto.runtime.run_state import RunResult
 
     calls = []
 
@@ -330,7 +330,7 @@ def test_the_end_of_a_run_prints_its_page_in_the_model_training_view_and_how_to_
     from mlflow.tracking import MlflowClient
 
     from rayfed_proto.runtime import driver
-    from rayfed_proto.runtime.driver import RunResult
+    from rayfed_proto.runtime.run_state import RunResult
 
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     client = MlflowClient(uri)

@@ -218,8 +218,7 @@ def test_a_failed_run_logs_the_round_drop_counters_too(tmp_path):
     stats = SchedulerStats(dispatched=12, updates_dropped_offline=1, updates_dropped_deadline=2,
                            updates_dropped_over_selection=3)
     dead_server = SimpleNamespace(stats=SimpleNamespace(remote=lambda: None))  # its counters cannot be read
-    _record_failure(SimpleNamespace(scheduler=SimpleNamespace(stats=stats, server=dead_server, version=2),
-                                    tracker=tracker, history=[], out=tmp_path), "no progress")
+    _record_failure(SimpleNamespace(stats=stats, server=dead_server, version=2), tracker, [], tmp_path, "no progress")
     ((step, counters),) = logged
     assert step == 2 and {k: counters[k] for k in (names.FEDERATION_UPDATES_DROPPED_OFFLINE,
                                                    names.FEDERATION_UPDATES_DROPPED_DEADLINE,

@@ -305,9 +305,10 @@ def test_a_second_ctrl_c_says_where_to_resume(tmp_path):
 
 def test_a_double_ctrl_c_exit_prints_the_resume_command(monkeypatch, capsys, tmp_path):
     from rayfed_proto.runtime import driver
+    from rayfed_proto.runtime.signals import RunInterrupted
 
     def interrupted(*a, **k):
-        raise driver.RunInterrupted("stopped at once (second Ctrl-C); checkpoint of version 4 in X.\n"
+        raise RunInterrupted("stopped at once (second Ctrl-C); checkpoint of version 4 in X.\n"
                                     f"Resume with: rayfed-proto run --resume {tmp_path}", tmp_path, 4, "SIGINT")
 
     monkeypatch.setattr(driver, "run_experiment", interrupted)

@@ -147,56 +147,55 @@ def test_a_store_that_cannot_be_searched_is_a_warning_not_a_failure(tmp_path, ca
 
 # ------------------------------------------------------------------ through the driver
 
-def _driver_step_run(tmp_path, uri, out, ckpt=None):
+def _track_in(tmp_path, uri, out, ckpt=None):
+    """The driver's _track step on a folder (resumed with ``ckpt``): its tracker, the run id, what it echoed."""
     from rayfed_proto.config import build_config
-    from rayfed_proto.runtime.run_state import RunState as _Run
+    from rayfed_proto.runtime.driver import _track
+    from rayfed_proto.runtime.run_state import RunFolder
     from rayfed_proto.tracking.mlflow_tracker import MlflowTracker
 
     cfg = build_config({}, [f"tracking.tracking_uri={uri}", "tracking.experiment_name=orphans",
                             "tracking.system_metrics=false", f"tracking.output_dir={tmp_path / 'runs'}"])
     echoed: list[str] = []
-    run = _Run(cfg, echoed.append, False, out=out, ckpt=ckpt, shape=(10, 1, 28),
-               plan=SimpleNamespace(as_dict=dict), fleet=SimpleNamespace(shutdown=lambda: None))
-    run.tracker = MlflowTracker(cfg.tracking)
-    return run, echoed
+    tracker = MlflowTracker(cfg.tracking)
+    fed = SimpleNamespace(tracker=tracker, shape=(10, 1, 28), plan=SimpleNamespace(as_dict=dict),
+                          fleet=SimpleNamespace(shutdown=lambda: None), history=[])
+    try:
+        run_id = _track(cfg, RunFolder(out, store=None, ckpt=ckpt), fed, echoed.append)
+    except BaseException:
+        tracker.end()
+        raise
+    return tracker, run_id, echoed
 
 
 def test_a_new_run_is_tagged_with_its_driver_and_settles_a_dead_drivers_run_of_another_folder(store, tmp_path):
     """(a) through the driver: a new run under runs/ settles the run left RUNNING under
     elsewhere/ (before, only runs under runs/ were settled) and names its own driver."""
-    from rayfed_proto.runtime.driver import _track
-
     orphan = _driver_run(store, tmp_path / "elsewhere" / "old", checkpoint=True, pid=_dead_pid())
     out = tmp_path / "runs" / "new"
     out.mkdir(parents=True)
-    run, echoed = _driver_step_run(tmp_path, store.uri, out)
-    try:
-        _track(run)
-    finally:
-        run.tracker.end()
+    tracker, run_id, echoed = _track_in(tmp_path, store.uri, out)
+    tracker.end()
     assert _status(store, orphan) == "KILLED"
     assert len(echoed) == 1 and orphan in echoed[0] and "--resume" in echoed[0]
-    tags = store.client.get_run(run.run_id).data.tags
+    tags = store.client.get_run(run_id).data.tags
     assert tags["rayfed_proto.driver_host"] == socket.gethostname() and tags["rayfed_proto.driver_pid"] == str(os.getpid())
     assert abs(float(tags["rayfed_proto.driver_started"]) - psutil.Process().create_time()) < 1
     assert tags["rayfed_proto.output_dir"] == str(out.resolve())
 
 
 def test_a_resumed_run_takes_the_new_drivers_tags_and_is_not_settled_itself(store, tmp_path):
-    from rayfed_proto.runtime.driver import _track
-
     dead = _dead_pid()
     folder = tmp_path / "runs" / "resumed"
     resumed = _driver_run(store, folder, checkpoint=True, pid=dead)
     other = _driver_run(store, tmp_path / "elsewhere" / "other", checkpoint=False, pid=dead)
     ckpt = CheckpointStore(folder / "checkpoints").latest()
-    run, echoed = _driver_step_run(tmp_path, store.uri, folder, ckpt=ckpt)
+    tracker, run_id, echoed = _track_in(tmp_path, store.uri, folder, ckpt=ckpt)
     try:
-        _track(run)
         assert _status(store, resumed) == "RUNNING"
     finally:
-        run.tracker.end()
-    assert run.run_id == resumed
+        tracker.end()
+    assert run_id == resumed
     tags = store.client.get_run(resumed).data.tags
     assert tags["rayfed_proto.driver_pid"] == str(os.getpid()) and "stopped" not in tags
     assert _status(store, other) == "FAILED" and any(other in line for line in echoed)

@@ -158,9 +158,7 @@ def test_the_drivers_end_of_run_metrics_use_the_table(tmp_path):
                             updates_dropped_over_selection=0)
     dead_server = SimpleNamespace(stats=SimpleNamespace(remote=lambda: None))  # its counters cannot be read
     tracker = Tracker()
-    run = SimpleNamespace(scheduler=SimpleNamespace(stats=stats, server=dead_server, version=3), tracker=tracker,
-                          history=[], out=tmp_path)
-    _record_failure(run, "no progress")
+    _record_failure(SimpleNamespace(stats=stats, server=dead_server, version=3), tracker, [], tmp_path, "no progress")
     (counters,) = tracker.logged
     assert counters[names.FEDERATION_UPDATES_DISPATCHED] == 5 and all(names.is_name(k) for k in counters)
     assert names.FEDERATION_UPDATES_REFUSED not in counters and tracker.tags == {"failure_reason": "no progress"}
