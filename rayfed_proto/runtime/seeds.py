@@ -228,7 +228,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: Sequence[int], *, progress: bool = T
     """Run ``cfg`` once per seed in a new group folder (see the module doc); returns the group
     with its table. ``method_first``: the seeds' run names lead with the method (:func:`seed_run_name`;
     for groups of several methods in one experiment). A stop (Ctrl-C, SIGTERM, ``faults.stop_at_version``) raises
-    :class:`~rayfed_proto.runtime.driver.RunInterrupted` naming the group folder to resume."""
+    :class:`~rayfed_proto.runtime.signals.RunInterrupted` naming the group folder to resume."""
     from rayfed_proto.runtime.runfolder import RunFolderLock
     from rayfed_proto.tracking import make_tracker
 
@@ -295,7 +295,7 @@ def _plan(group: SeedGroup, shared: ExperimentConfig, seed: int, overrides, echo
     """What to do with ``seed`` now: ("skip", folder, None), ("resume", folder, cfg) or ("fresh", None, cfg)."""
     from rayfed_proto.runtime import runfolder
     from rayfed_proto.runtime.checkpoint import CheckpointError
-    from rayfed_proto.runtime.driver import checkpoint_store
+    from rayfed_proto.runtime.preparation import checkpoint_store
 
     folder = group.seed_folder(seed)
     if folder is not None:
@@ -318,7 +318,7 @@ def _plan(group: SeedGroup, shared: ExperimentConfig, seed: int, overrides, echo
 def _run_group(group: SeedGroup, shared: ExperimentConfig, *, overrides, progress: bool, echo) -> None:
     """Each seed in turn, then the table; a stop anywhere (also between seeds) ends the parent
     KILLED and raises RunInterrupted naming the group folder."""
-    from rayfed_proto.runtime.driver import RunInterrupted
+    from rayfed_proto.runtime.signals import RunInterrupted
 
     seed = group.seeds[0]
     failed: list[str] = []
@@ -341,8 +341,9 @@ def _run_group(group: SeedGroup, shared: ExperimentConfig, *, overrides, progres
 def _run_seed(group: SeedGroup, shared: ExperimentConfig, seed: int, i: int, overrides, progress: bool, echo,
               failed: list[str]) -> None:
     from rayfed_proto.runtime import runfolder
-    from rayfed_proto.runtime.driver import RunInterrupted, run_experiment
+    from rayfed_proto.runtime.driver import run_experiment
     from rayfed_proto.runtime.progress import NoProgressError
+    from rayfed_proto.runtime.signals import RunInterrupted
 
     rec = group.records[seed]
     action, folder, cfg = _plan(group, shared, seed, overrides, echo)
@@ -398,7 +399,7 @@ def _record_folder(group: SeedGroup, seed: int, status: str, reason: Optional[st
 def _stopped(group: SeedGroup, seed: int, what: str, signal_name: str, version: int):
     """The group stopped while seed ``seed`` ran: the parent KILLED, a message naming the group
     folder to resume."""
-    from rayfed_proto.runtime.driver import RunInterrupted
+    from rayfed_proto.runtime.signals import RunInterrupted
 
     done = [s for s in group.seeds if group.records[s].status == "finished"]
     todo = [s for s in group.seeds if group.records[s].status in ("pending", "failed") and s != seed]
