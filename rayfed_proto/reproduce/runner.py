@@ -13,7 +13,6 @@ groups under one MLflow parent run, and set our mean ± std beside the paper's n
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import re
 import time
@@ -27,8 +26,6 @@ from rayfed_proto.config import ConfigError, ConfigIssue, ExperimentConfig
 from rayfed_proto.reproduce.metrics import domain_metric, history_value, paper_metric
 from rayfed_proto.reproduce.published import PAPERS
 from rayfed_proto.reproduce.settings import DEFAULT_SEEDS, MAIN_TABLE, REPRODUCTIONS, SCALES, Method, Reproduction
-
-log = logging.getLogger("rayfed_proto")
 
 PAPER_TAG = "rayfed_proto.reproduce"  # the parent run's "<paper>/<table>/<scale>"
 CSV_NAME, MD_NAME = "reproduce.csv", "reproduce.md"
@@ -362,24 +359,21 @@ def _start_parent(plan: Plan, uri: str, experiment: str) -> str:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
+    from rayfed_proto.tracking.mlflow_tracker import run_tags
+    from rayfed_proto.tracking.parent_runs import start_parent
 
     r = plan.reproduction
     mlflow.set_tracking_uri(uri)
     exp = mlflow.set_experiment(experiment)
     client = MlflowClient(uri)
-    tags = {**run_tags(), ROLE_TAG: "parent", PAPER_TAG: f"{r.paper}/{r.table}/{plan.scale}", "paper": r.paper,
+    tags = {**run_tags(), PAPER_TAG: f"{r.paper}/{r.table}/{plan.scale}", "paper": r.paper,
             "paper_table": r.published.label, "scale": plan.scale}
-    run_id = client.create_run(exp.experiment_id, run_name=f"reproduce {r.paper} {r.table} {plan.scale}",
-                               tags=tags).info.run_id
     params = {"paper": r.paper, "table": r.table, "scale": plan.scale, "seeds": ",".join(map(str, plan.seeds)),
-              "columns": "; ".join(plan.columns)[:6000], "methods": ",".join(m.algorithm for m in r.methods),
-              "source": r.published.source[:6000]}
+              "columns": "; ".join(plan.columns), "methods": ",".join(m.algorithm for m in r.methods),
+              "source": r.published.source}
     for i, run in enumerate(plan.runs):
-        params[f"run.{i}"] = f"{run.method.algorithm} on {run.preset} --set {' '.join(run.overrides)}"[:6000]
-    for k, v in params.items():
-        client.log_param(run_id, k, v)
-    return run_id
+        params[f"run.{i}"] = f"{run.method.algorithm} on {run.preset} --set {' '.join(run.overrides)}"
+    return start_parent(client, exp.experiment_id, f"reproduce {r.paper} {r.table} {plan.scale}", tags, params)
 
 
 def _log_parent(uri: str, run_id: str, plan: Plan, rows: list[dict[str, Any]], md: str, files: dict[str, Path],
@@ -387,7 +381,9 @@ def _log_parent(uri: str, run_id: str, plan: Plan, rows: list[dict[str, Any]], m
     from mlflow.entities import Metric, RunTag
     from mlflow.tracking import MlflowClient
 
-    try:
+    from rayfed_proto.tracking.parent_runs import end_run, store_may_fail
+
+    with store_may_fail(f"log the reproduction's table to MLflow run {run_id}"):  # the table is on disk and printed
         client = MlflowClient(uri)
         now = int(time.time() * 1000)
         metrics = []
@@ -401,6 +397,4 @@ def _log_parent(uri: str, run_id: str, plan: Plan, rows: list[dict[str, Any]], m
         client.log_batch(run_id, tags=[RunTag("mlflow.note.content", md[:60000])])
         for path in files.values():
             client.log_artifact(run_id, str(path))
-        client.set_terminated(run_id, status=status)
-    except Exception as e:  # noqa: BLE001 - the table is on disk and printed
-        log.warning("could not log the reproduction's table to MLflow run %s: %s", run_id, e)
+        end_run(client, run_id, status)

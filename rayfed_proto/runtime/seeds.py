@@ -560,10 +560,10 @@ def _client(group: SeedGroup):
 def _start_parent(group: SeedGroup, shared: ExperimentConfig) -> str:
     """The group's parent run (RUNNING until the group ends), with the shared config as params."""
     import mlflow
-    from mlflow.entities import Param
 
     from rayfed_proto.tracking.metric_names import SCHEMA_TAG, SCHEMA_VERSION
-    from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
+    from rayfed_proto.tracking.mlflow_tracker import run_tags
+    from rayfed_proto.tracking.parent_runs import start_parent
 
     mlflow.set_tracking_uri(group.tracking_uri)
     try:
@@ -574,29 +574,21 @@ def _start_parent(group: SeedGroup, shared: ExperimentConfig) -> str:
         experiment = mlflow.set_experiment(group.experiment_name)
     tags = {**run_tags(), SCHEMA_TAG: SCHEMA_VERSION, SEEDS_TAG: ",".join(map(str, group.seeds)),
             GROUP_TAG: str(group.output_dir), "algorithm": shared.algorithm.name, "dataset": shared.data.name,
-            "mode": shared.federation.mode, "model_group": shared.model.group, ROLE_TAG: "parent"}
-    if shared.tracking.parent_run_id:  # the group itself nested under a run the user named
-        tags["mlflow.parentRunId"] = shared.tracking.parent_run_id
-    client = _client(group)
-    run_id = client.create_run(experiment.experiment_id, run_name=group.name, tags=tags).info.run_id
+            "mode": shared.federation.mode, "model_group": shared.model.group}
     params = {k: v for k, v in shared.flat().items() if k != "seed"} | {"seeds": ",".join(map(str, group.seeds))}
-    items = [Param(k, "None" if v is None else str(v)[:6000]) for k, v in params.items()]
-    for i in range(0, len(items), 100):  # MLflow's batch limit for params
-        client.log_batch(run_id, params=items[i : i + 100])
-    return run_id
+    # parent_run_id: the group itself nested under a run the user named
+    return start_parent(_client(group), experiment.experiment_id, group.name, tags, params,
+                        parent_run_id=shared.tracking.parent_run_id)
 
 
 def _reopen_parent(group: SeedGroup) -> None:
-    client = _client(group)
-    try:
-        tags = client.get_run(group.parent_run_id).data.tags
+    from rayfed_proto.tracking.parent_runs import reopen_parent
+
+    try:  # the tags left by the earlier stop are no longer true
+        reopen_parent(_client(group), group.parent_run_id, ("stopped", "resume_from", "failure_reason"))
     except Exception as e:  # deleted, or another store
         raise InputError(f"the seed group's MLflow parent run {group.parent_run_id} is not in {group.tracking_uri} "
                          f"({e}); resume with the store the group was started with") from None
-    client.update_run(group.parent_run_id, status="RUNNING")
-    for key in ("stopped", "resume_from", "failure_reason"):  # left by the earlier stop: no longer true
-        if key in tags:
-            client.delete_tag(group.parent_run_id, key)
 
 
 def _log_summary(group: SeedGroup) -> None:
@@ -678,12 +670,8 @@ def _log_curves(group: SeedGroup, client) -> None:
 
 
 def _end_parent(group: SeedGroup, status: str, tags: dict[str, str]) -> None:
-    if not group.parent_run_id:
-        return
-    try:
-        client = _client(group)
-        for k, v in tags.items():
-            client.set_tag(group.parent_run_id, k, v)
-        client.set_terminated(group.parent_run_id, status=status)
-    except Exception as e:
-        log.warning("could not end the seed group's MLflow run %s: %s", group.parent_run_id, e)
+    from rayfed_proto.tracking.parent_runs import end_parent
+
+    if group.parent_run_id:  # the store's URI: a store that cannot be opened warns too
+        end_parent(group.tracking_uri, group.parent_run_id, status, tags,
+                   what=f"the seed group's MLflow run {group.parent_run_id}")

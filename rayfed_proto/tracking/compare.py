@@ -54,12 +54,12 @@ import numpy as np
 from rayfed_proto.config import InputError
 from rayfed_proto.tracking import metric_names as names
 from rayfed_proto.tracking.paper_metric import PaperMetric, final_and_best, paper_metric
+from rayfed_proto.tracking.parent_runs import PARENT_TAG, end_run, log_params, start_parent, start_run
 
 DEFAULT_METRIC = names.EVAL_HEAD_ACC
 PAPER = "paper"  # --metric paper: each method's paper metric (tracking.paper_metric)
 DEFAULT_EXPERIMENT_NAME = "rayfed_proto_compare"
 COMPARE_TAG = "rayfed_proto.compare"  # marks a comparison run (never compared itself)
-PARENT_TAG = "mlflow.parentRunId"
 ALGORITHM_KEY = "algorithm.name"
 
 # params that never tell two groups apart: how and where a run ran, not what it computed
@@ -706,20 +706,18 @@ def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: st
     import pandas as pd
     from mlflow.tracking import MlflowClient
 
-    from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
+    from rayfed_proto.tracking.mlflow_tracker import run_tags
 
     client = MlflowClient(comp.tracking_uri)
     exp_id = _experiment_id(client, experiment_name)
-    tags = {**run_tags(), ROLE_TAG: "parent", COMPARE_TAG: "1", "rayfed_proto.compare.experiments": ", ".join(comp.experiments)[:5000],
+    tags = {**run_tags(), COMPARE_TAG: "1", "rayfed_proto.compare.experiments": ", ".join(comp.experiments)[:5000],
             "rayfed_proto.compare.metric": comp.metric}
-    run = client.create_run(exp_id, tags=tags, run_name=f"compare {' '.join(comp.experiments)}"[:250])
-    run_id = run.info.run_id
+    run_id = start_parent(client, exp_id, f"compare {' '.join(comp.experiments)}"[:250], tags)
     try:
         params = {"experiments": ", ".join(comp.experiments), "metric": comp.metric, "mode": comp.mode,
                   "group_keys": ", ".join([ALGORITHM_KEY, *comp.group_keys]), "groups": len(comp.groups),
                   "runs": comp.num_runs, "runs_left_out": len(comp.left_out), "tracking_uri": comp.tracking_uri}
-        for k, v in params.items():
-            client.log_param(run_id, k, str(v)[:6000])
+        log_params(client, run_id, params)
         children = [log_group_run(client, exp_id, run_id, comp, g) for g in comp.groups]
         best = _best_group(comp)
         if best is not None:  # the run list sorts the comparisons by the best group's figure, nesting kept
@@ -729,9 +727,9 @@ def log_comparison(comp: Comparison, files: dict[str, Path], experiment_name: st
             client.log_artifact(run_id, str(p), "plots" if key.startswith("plot") else None)
         client.log_table(run_id, pd.DataFrame(comp.rows()), "tables/comparison.json")
     except BaseException:
-        client.set_terminated(run_id, "FAILED")
+        end_run(client, run_id, "FAILED")
         raise
-    client.set_terminated(run_id, "FINISHED")
+    end_run(client, run_id, "FINISHED")
     return run_id
 
 
@@ -775,21 +773,17 @@ def log_group_run(client, exp_id: str, parent_id: str, comp: Comparison, group: 
     """One compared group as a FINISHED run nested under the comparison run: named by its label
     (``fedsa``, ``fedsa algorithm.lam=0.1``), params ``algorithm.name``, its grouping keys, its
     seeds, and its curves (:func:`group_points`)."""
-    from mlflow.entities import Param
-
     from rayfed_proto.tracking.group_metrics import log_points
-    from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, run_tags
+    from rayfed_proto.tracking.mlflow_tracker import run_tags
 
-    tags = {**run_tags(), ROLE_TAG: "comparison", COMPARE_TAG: "1", PARENT_TAG: parent_id,
-            "mlflow.note.content": _group_note(comp, group)}
-    run_id = client.create_run(exp_id, tags=tags, run_name=group.label[:250]).info.run_id
+    tags = {**run_tags(), COMPARE_TAG: "1", "mlflow.note.content": _group_note(comp, group)}
     params = {ALGORITHM_KEY: group.algorithm, **group.keys, "seeds": ",".join(group.seeds), "n_seeds": len(group.runs),
               "run_ids": " ".join(r.run_id for r in group.runs)}
     if comp.metric == PAPER:
         params["paper_metric"] = group.paper.label(group.paper_key())
-    client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in params.items()])
+    run_id = start_run(client, exp_id, group.label[:250], tags, params, role="comparison", parent_run_id=parent_id)
     log_points(client, run_id, group_points(comp, group))
-    client.set_terminated(run_id, "FINISHED")
+    end_run(client, run_id, "FINISHED")
     return run_id
 
 

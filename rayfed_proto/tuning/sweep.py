@@ -24,8 +24,16 @@ from rayfed_proto.config import ConfigError, ConfigIssue
 from rayfed_proto.runtime.autoscale import withdraw_request
 from rayfed_proto.tracking.links import experiment_url, no_mlflow_run_links
 from rayfed_proto.tracking.metric_names import SWEEP_TRIALS, SWEEP_TRIALS_ERRORED, sweep_best
-from rayfed_proto.tracking.mlflow_tracker import ROLE_TAG, resolve_tracking_uri
+from rayfed_proto.tracking.mlflow_tracker import resolve_tracking_uri
 from rayfed_proto.tracking.paper_metric import final_and_best
+from rayfed_proto.tracking.parent_runs import (
+    children,
+    end_run,
+    end_stopped,
+    reopen_parent,
+    start_parent,
+    store_may_fail,
+)
 from rayfed_proto.tuning.mlflow_server import LocalMlflowServer, is_loopback_uri, is_remote_uri
 from rayfed_proto.tuning.plan import check_cluster, plan_sweep, request_for_trials
 from rayfed_proto.tuning.report import (
@@ -38,7 +46,7 @@ from rayfed_proto.tuning.report import (
     write_best_yaml,
 )
 from rayfed_proto.tuning.spec import SweepSpec, parse_sweep
-from rayfed_proto.tuning.trainable import absolute_paths, make_trainable, trial_resources_fn
+from rayfed_proto.tuning.trainable import TUNE_STOPPED, absolute_paths, make_trainable, trial_resources_fn
 
 log = logging.getLogger("rayfed_proto")
 STATE_FILE = "rayfed_sweep.yaml"
@@ -165,7 +173,7 @@ def _run_sweep(spec, resume, address, tracking_uri, best_out, stop, verbose, ech
                 parent_run_id = _start_parent_run(client, experiment.experiment_id, spec, exp_path)
             else:
                 try:
-                    client.update_run(parent_run_id, status="RUNNING")
+                    reopen_parent(client, parent_run_id)
                 except mlflow.exceptions.MlflowException as e:
                     raise ConfigError([ConfigIssue(key="--tracking-uri", value=store_uri, allowed=(
                         f"a store holding the sweep's parent run {parent_run_id} (an MLflow server over the same "
@@ -201,11 +209,10 @@ def _run_sweep(spec, resume, address, tracking_uri, best_out, stop, verbose, ech
         raise
     finally:
         if client is not None and parent_run_id is not None:
-            try:
+            # the server may be unreachable: the runs stay RUNNING, the sweep's outcome stands
+            with store_may_fail(f"end the MLflow runs of sweep {spec.name}"):
                 _close_children(client, spec, parent_run_id, _errored_trials(exp_path))
-                client.set_terminated(parent_run_id, status=status)
-            except Exception as e:  # the server may be unreachable: the runs stay RUNNING, the sweep's outcome stands
-                log.warning("could not end the MLflow runs of sweep %s: %s", spec.name, e)
+                end_run(client, parent_run_id, status)
         if server is not None:
             server.stop()
         if asked:
@@ -246,17 +253,13 @@ def _place(spec: Optional[SweepSpec], resume: Optional[str], tracking_uri: Optio
 
 def _start_parent_run(client, experiment_id: str, spec: SweepSpec, exp_path: str) -> str:
     """The sweep's parent MLflow run, with the search space and the sweep settings as params."""
-    parent = client.create_run(experiment_id, run_name=spec.name,
-                               tags={"rayfed_proto.sweep": spec.name, "rayfed_proto.sweep_path": exp_path,
-                                     ROLE_TAG: "parent"})
+    tags = {"rayfed_proto.sweep": spec.name, "rayfed_proto.sweep_path": exp_path}
     params = {f"search_space.{k}": d.describe() for k, d in spec.space.items()}
     params.update({"sweep.num_samples": spec.file.num_samples, "sweep.metric": spec.file.metric,
                    "sweep.mode": spec.file.mode, "sweep.scheduler": spec.file.scheduler.name,
                    "sweep.searcher": spec.file.searcher.name if spec.file.searcher else "random/grid",
                    "sweep.max_concurrent_trials": spec.file.max_concurrent_trials, "sweep.source": spec.source})
-    for k, v in params.items():
-        client.log_param(parent.info.run_id, k, str(v)[:6000])
-    return parent.info.run_id
+    return start_parent(client, experiment_id, spec.name, tags, params)
 
 
 def _tuner(spec: SweepSpec, trainable, exp_path: str, resume: bool, stop, verbose: int, echo: Callable[[str], None],
@@ -305,8 +308,7 @@ def _mark_stopped(client, rows: list[dict[str, Any]]) -> None:
             continue
         try:
             if client.get_run(row["mlflow_run_id"]).info.status in ("FAILED", "RUNNING"):
-                client.set_tag(row["mlflow_run_id"], "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
-                client.set_terminated(row["mlflow_run_id"], status="KILLED")
+                end_stopped(client, row["mlflow_run_id"], TUNE_STOPPED)
         except Exception as e:  # the ranking matters more than the status of one run
             log.warning("could not mark run %s as stopped: %s", row["mlflow_run_id"], e)
 
@@ -332,15 +334,13 @@ def _close_children(client, spec: SweepSpec, parent_run_id: str, errored: set[st
     exp = client.get_experiment_by_name(spec.base_config.tracking.experiment_name)
     if exp is None:
         return
-    for run in client.search_runs([exp.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'",
-                                  max_results=10_000):
+    for run in children(client, [exp.experiment_id], parent_run_id):
         status, name = run.info.status, run.info.run_name or ""
         stopped = status == "RUNNING" or (status == "FAILED" and errored is not None
                                           # "<values> <method> <sweep>-<trial id>" (before 0.3: "<sweep>-<trial id> [...]")
                                           and not any(w.endswith(f"-{t}") for w in name.split(" ") for t in errored))
         if stopped:
-            client.set_tag(run.info.run_id, "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
-            client.set_terminated(run.info.run_id, status="KILLED")
+            end_stopped(client, run.info.run_id, TUNE_STOPPED)
 
 
 def _summarise(grid, spec: SweepSpec, exp_path: str, store_uri, parent_run_id, client, best_out, echo) -> SweepResult:
@@ -430,8 +430,7 @@ def _mark_best_trial(client, parent_run_id: str, best_run_id: Optional[str], met
     unmark a trial that was the best before a resume. Bookkeeping: a failure only warns."""
     try:
         exp = client.get_run(parent_run_id).info.experiment_id
-        marked = client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}' and "
-                                                          f"tags.`{BEST_TAG}` = 'true'", max_results=1000)
+        marked = children(client, [exp], parent_run_id, where=f"tags.`{BEST_TAG}` = 'true'", max_results=1000)
         for run in marked:
             if run.info.run_id != best_run_id:
                 client.delete_tag(run.info.run_id, BEST_TAG)

@@ -21,6 +21,9 @@ from rayfed_proto.config import ExperimentConfig, build_config, set_dotted
 from rayfed_proto.tuning.resources import TrialPlan, placement_group_factory, trial_overrides
 from rayfed_proto.tuning.spec import TrialResources
 
+# the tag rayfed_proto.stopped of a trial's run (and of the sweep's child runs) ended KILLED
+TUNE_STOPPED = "by the Tune scheduler or an interrupted sweep"
+
 
 @dataclass
 class TrialContext:
@@ -202,9 +205,9 @@ def make_trainable(ctx: TrialContext):
             if run_ids:
                 from mlflow.tracking import MlflowClient
 
-                client = MlflowClient(cfg.tracking.tracking_uri)
-                client.set_tag(run_ids[0], "rayfed_proto.stopped", "by the Tune scheduler or an interrupted sweep")
-                client.set_terminated(run_ids[0], status="KILLED")
+                from rayfed_proto.tracking.parent_runs import end_stopped
+
+                end_stopped(MlflowClient(cfg.tracking.tracking_uri), run_ids[0], TUNE_STOPPED)
             raise
         if not final and not reported:
             # resumed from a checkpoint of the last version: every evaluation is in the history
