@@ -40,7 +40,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def cmd_validate(args) -> int:
     cfg = _load(args)
     print(f"config OK: {cfg.algorithm.name} on {cfg.data.name}, {cfg.federation.num_clients} clients, "
-          f"{cfg.federation.mode} mode, {cfg.federation.rounds} versions")
+          f"{cfg.federation.mode} mode, {cfg.federation.rounds} rounds (server versions)")
     if args.show:
         print(cfg.to_yaml())
     return 0
