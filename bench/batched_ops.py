@@ -86,8 +86,8 @@ class Counter(TorchDispatchMode):
 def instrumented(counter: Counter):
     """Tag the work by architecture and count steps and ``tolist`` reads while it runs."""
     from rayfed_proto.algorithms import base
-    from rayfed_proto.runtime import batched
     from rayfed_proto.runtime import client_core as core
+    from rayfed_proto.training import batched
 
     saved = (core.ClientRunner.train, batched.train_together, base.StepTally.step,
              batched.BatchedUpdate._step_group, torch.Tensor.tolist, base.TrainBatchIterator.epoch)

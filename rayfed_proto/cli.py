@@ -40,7 +40,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 def cmd_validate(args) -> int:
     cfg = _load(args)
     print(f"config OK: {cfg.algorithm.name} on {cfg.data.name}, {cfg.federation.num_clients} clients, "
-          f"{cfg.federation.mode} mode, {cfg.federation.rounds} versions")
+          f"{cfg.federation.mode} mode, {cfg.federation.rounds} rounds (server versions)")
     if args.show:
         print(cfg.to_yaml())
     return 0
@@ -80,7 +80,7 @@ def cmd_list(args) -> int:
 def _batching(name: str) -> str:
     """Whether a method's clients may step as one batched model (``resources.batch_clients``)."""
     from rayfed_proto.algorithms import ALGORITHMS
-    from rayfed_proto.runtime.batched import method_refusal
+    from rayfed_proto.training.batched import method_refusal
 
     refusal = method_refusal(ALGORITHMS.get(name).Client)
     return "batched (clients of one architecture on a worker step together)" if refusal is None else \

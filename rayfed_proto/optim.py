@@ -8,7 +8,9 @@ about 800 modules (SymPy, ``torch.distributed``, ``torch.fx``...) and costs each
 every worker and the server, for a compiler these processes never run. On the CPU, torch's own
 default is the single-tensor form of each update (``foreach`` is chosen only for CUDA tensors),
 and :class:`LeanSGD` and :class:`LeanAdam` below are those forms line for line (torch 2.14.1's
-``_single_tensor_sgd`` and ``_single_tensor_adam`` without the options this project never sets),
+``_single_tensor_sgd`` and ``_single_tensor_adam`` without the options this project never sets,
+as :func:`sgd_direction` and :func:`adam_direction`, which the batched clients'
+``training.batched.StackedOptimizer`` applies too),
 so a run gives bit for bit the numbers ``torch.optim`` gives (``tests/unit/test_optim.py``
 compares them step by step). Their ``state_dict`` has ``torch.optim``'s layout and keys, so
 checkpoints load in either direction.
@@ -35,6 +37,51 @@ _ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay"
 # Settings torch.optim has and these classes do not implement: refused rather than ignored.
 _UNSUPPORTED = {"maximize": False, "foreach": None, "differentiable": False, "fused": None, "capturable": False,
                 "amsgrad": False, "decoupled_weight_decay": False}
+
+
+# ----------------------------------------------------------------------------- the update rules
+# torch.optim's SGD and Adam updates on tensors (torch 2.14.1's ``_single_tensor_sgd`` and
+# ``_single_tensor_adam``, without the options this project never sets), op for op, so that the
+# numbers are torch's bit for bit. One definition for both users: LeanSGD and LeanAdam below apply
+# them to each parameter, in place on its own state (``inplace=True``), and
+# ``training.batched.StackedOptimizer`` to the stacked (clients, total) rows of clients stepping as
+# one model, out of place (it keeps the old rows of a client whose step was not applied) with a
+# step count per row. The parameter update itself (``p -= lr * direction``) is the caller's: a
+# float step size (one optimizer) or a tensor of one per row (stacked clients).
+
+
+def sgd_direction(p: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor | None, group: dict[str, Any], *,
+                  started: torch.Tensor | None = None, inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``torch.optim.SGD``: the direction ``d`` of ``p <- p - lr * d`` and the momentum buffer
+    after the step (None without momentum). g <- g + wd * p (coupled weight decay); with momentum
+    mu: b <- g on the first step (``buf`` None), else b <- mu * b + (1 - dampening) * g; d = g + mu * b
+    with Nesterov, else b. ``started`` (stacked rows): where False, a row's b <- g (its first step)."""
+    if group["weight_decay"] != 0:
+        grad = grad.add(p, alpha=group["weight_decay"])
+    momentum = group["momentum"]
+    if momentum == 0:
+        return grad, None
+    if buf is None:
+        buf = grad.detach().clone()
+    else:
+        moved = (buf.mul_(momentum) if inplace else buf.mul(momentum)).add_(grad, alpha=1 - group["dampening"])
+        buf = moved if started is None else torch.where(started, moved, grad)
+    return (grad.add(buf, alpha=momentum) if group["nesterov"] else buf), buf
+
+
+def adam_direction(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                   group: dict[str, Any], bias_correction2_sqrt: float | torch.Tensor, *,
+                   inplace: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.optim.Adam`` (Kingma & Ba, Alg. 1, with coupled L2 weight decay): the moments after
+    the step and the denominator, ``(m, v, denom)``, of ``p <- p - lr / (1 - beta1^t) * m / denom``.
+    g <- g + wd * p; m <- beta1 * m + (1 - beta1) * g (a lerp, as torch); v <- beta2 * v + (1 - beta2) * g^2;
+    denom = sqrt(v) / sqrt(1 - beta2^t) + eps (``bias_correction2_sqrt``: a float, or one per row)."""
+    beta1, beta2 = group["betas"]
+    if group["weight_decay"] != 0:
+        grad = grad.add(p, alpha=group["weight_decay"])
+    m = exp_avg.lerp_(grad, 1 - beta1) if inplace else exp_avg.lerp(grad, 1 - beta1)
+    v = (exp_avg_sq.mul_(beta2) if inplace else exp_avg_sq.mul(beta2)).addcmul_(grad, grad, value=1 - beta2)
+    return m, v, (v.sqrt() / bias_correction2_sqrt).add_(group["eps"])
 
 
 class LeanOptimizer:
@@ -144,18 +191,12 @@ class LeanSGD(LeanOptimizer):
     _defaults = _SGD_DEFAULTS
 
     def _update(self, p: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> None:
-        momentum = group["momentum"]
-        if group["weight_decay"] != 0:
-            grad = grad.add(p, alpha=group["weight_decay"])
-        if momentum != 0:
-            state = self.state[p]
-            buf = state.get("momentum_buffer")
-            if buf is None:
-                buf = state["momentum_buffer"] = grad.detach().clone()
-            else:
-                buf.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
-            grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
-        p.add_(grad, alpha=-group["lr"])
+        # no state without momentum (as torch.optim.SGD: the defaultdict is not touched)
+        buf = self.state[p].get("momentum_buffer") if group["momentum"] != 0 else None
+        direction, buf = sgd_direction(p, grad, buf, group)
+        if buf is not None:
+            self.state[p]["momentum_buffer"] = buf
+        p.add_(direction, alpha=-group["lr"])
 
 
 class LeanAdam(LeanOptimizer):
@@ -170,17 +211,12 @@ class LeanAdam(LeanOptimizer):
             state["step"] = torch.tensor(0.0, dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
-        step_t += 1
-        if group["weight_decay"] != 0:
-            grad = grad.add(p, alpha=group["weight_decay"])
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step = step_t.item()
+        state["step"] += 1
+        step = state["step"].item()
         bias_correction1 = 1 - beta1**step
         bias_correction2 = 1 - beta2**step
         step_size = group["lr"] / bias_correction1
-        denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(group["eps"])
+        exp_avg, _, denom = adam_direction(p, grad, state["exp_avg"], state["exp_avg_sq"], group, bias_correction2**0.5)
         p.addcdiv_(exp_avg, denom, value=-step_size)
 
 

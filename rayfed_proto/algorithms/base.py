@@ -347,7 +347,7 @@ class ClientAlgorithm:
     # client's instance can compute it for all), draws no random numbers and reads nothing on the
     # host (no ``.item()``, no branch on tensor values). Then clients of one architecture on one
     # worker may step together as one vmapped model (``resources.batch_clients``,
-    # runtime/batched.py), equal to training one after another within float tolerance.
+    # training/batched.py), equal to training one after another within float tolerance.
     batchable: ClassVar[bool] = False
     # Why not, for a method that is not batchable (``rayfed-proto list`` shows it).
     unbatchable_reason: ClassVar[str] = ""

@@ -101,19 +101,6 @@ def launcher_node_types(path: str | Path = BOOTSTRAP_CONFIG) -> Optional[tuple[l
     return types, int(cfg.get("max_workers", sum(n for _, n in types)))
 
 
-def grown_totals(types: list[tuple[dict[str, float], int]], cluster_max: int) -> dict[str, float]:
-    """CPUs/GPUs of the workers the autoscaler may launch: the largest types first, at most
-    ``cluster_max`` nodes in all."""
-    total = {"CPU": 0.0, "GPU": 0.0}
-    left = cluster_max
-    for res, n in sorted(types, key=lambda t: (-t[0].get("GPU", 0.0), -t[0].get("CPU", 0.0))):
-        take = min(n, left)
-        left -= take
-        for k in total:
-            total[k] += take * res.get(k, 0.0)
-    return total
-
-
 def launchable_nodes(types: list[tuple[dict[str, float], int]], cluster_max: int,
                      alive: list[dict[str, float]]) -> list[dict[str, float]]:
     """The worker nodes the autoscaler can still add: each type ``max_workers`` times, the largest
@@ -235,11 +222,6 @@ def _launchable(bundles: list[dict[str, float]]) -> list[dict[str, float]]:
     # CPU/GPU only: a node:<ip> pin names a node that exists, which the autoscaler cannot launch
     wanted = [{k: v for k, v in b.items() if k in ("CPU", "GPU") and v > 0} for b in bundles]
     return [b for b in wanted if b]
-
-
-def standing_request() -> Optional[list[dict[str, float]]]:
-    """The bundles this process has asked the autoscaler for and not withdrawn (None: nothing)."""
-    return _standing
 
 
 def withdraw_request() -> None:

@@ -27,10 +27,10 @@ from rayfed_proto.data import ArrayDataset, ClientSplit
 from rayfed_proto.data.augment import batch_augment
 from rayfed_proto.messages import ClientUpdate, GlobalState
 from rayfed_proto.models import build_client_model
-from rayfed_proto.runtime import batched
 from rayfed_proto.runtime.core import eval_batch_size, federation_spec, memory_format
 from rayfed_proto.runtime.determinism import apply_determinism
 from rayfed_proto.runtime.parking import ParkedStates, resolve
+from rayfed_proto.training import batched
 
 log = logging.getLogger("rayfed_proto")
 
@@ -503,7 +503,7 @@ def batches_on(batch_clients: str, device: torch.device) -> bool:
 
 def train_batched(runners: list[ClientRunner], state: GlobalState) -> list[tuple[dict[str, Any], ClientUpdate]]:
     """Local updates of ``runners`` (one batched group, :meth:`ClientHost.train_group`) against
-    ``state`` as one vmapped model (:mod:`rayfed_proto.runtime.batched`): with ``batch_clients:
+    ``state`` as one vmapped model (:mod:`rayfed_proto.training.batched`): with ``batch_clients:
     lanes``, ``resources.lanes`` rows that the clients queue for (continuous batching), otherwise
     one row per client; each result is what its :meth:`ClientRunner.train` returns, within float
     tolerance. ``busy_s``: the group's time

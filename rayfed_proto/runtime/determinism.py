@@ -50,8 +50,3 @@ def apply_determinism(enabled: bool) -> None:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
         _applied = False
-
-
-def is_deterministic() -> bool:
-    """Whether this process runs torch's deterministic kernels now."""
-    return torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark

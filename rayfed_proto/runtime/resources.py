@@ -317,40 +317,6 @@ def _grouped(shapes: Sequence[NodeShape]) -> list[tuple[NodeShape, int]]:
     return list(out.items())
 
 
-def bundles_fit(bundles: list[dict[str, float]], nodes: Sequence[dict[str, float]]) -> bool:
-    """Whether the first bundle (the server) and the rest (identical client bundles) can all be
-    placed at once on ``nodes`` (see :func:`layout`)."""
-    if not bundles:
-        return True
-    server = (_units(bundles[0].get("CPU", 0.0)), _units(bundles[0].get("GPU", 0.0)))
-    rest = bundles[1:]
-    if not rest:
-        return layout([NodeShape.of(n) for n in nodes], server, (0, 0), 0) is not None
-    client = (_units(rest[0].get("CPU", 0.0)), _units(rest[0].get("GPU", 0.0)))
-    return _fits([NodeShape.of(n) for n in nodes], server, client, len(rest))
-
-
-def gpu_requests_fit(requests: list[float], cluster_gpus: float) -> bool:
-    """Whether Ray can place these GPU requests at once on one node of ``cluster_gpus`` GPUs:
-    whole requests take whole GPUs, and each fractional one must fit on a single GPU
-    (first-fit decreasing, in Ray's 1e-4 units)."""
-    free = [UNIT] * int(math.floor(cluster_gpus + 1e-9))
-    for r in sorted((round(x * UNIT) for x in requests if x > 0), reverse=True):
-        if r >= UNIT:
-            whole = -(-r // UNIT)
-            idle = [i for i, f in enumerate(free) if f == UNIT]
-            if len(idle) < whole:
-                return False
-            for i in idle[:whole]:
-                free[i] = 0
-        else:
-            slot = next((i for i, f in enumerate(free) if f >= r), None)
-            if slot is None:
-                return False
-            free[slot] -= r
-    return True
-
-
 def assign_clients(num_clients: int, clients_per_actor: int, work: list[float] | None = None,
                    num_actors: int | None = None) -> list[list[int]]:
     """Client ids hosted by each actor (sorted within an actor).

@@ -19,8 +19,9 @@ Sections (docs/concepts.md "Metrics" lists every name):
   figure or a runtime counter;
 * ``federation/``, ``reliability/``, ``system/``: traffic and update flow, failures survived,
   actors' memory;
-* ``zz_client/<series>/client_<id>`` (:func:`client_series`), ``model/<name>/<key>``
-  (:func:`model_metric`), ``best/<metric>`` and ``sweep/`` (the sweep's parent run).
+* ``zz_client/<series>/client_<id>`` (:func:`client_series`), ``best/<metric>`` and ``sweep/``
+  (the sweep's parent run). A logged model's accuracy is its params, no metric
+  (``tracking/models.py``).
 
 Why ``zz_client``: the MLflow UI makes one chart section per key *prefix* (everything before the
 last ``/``) and sorts the sections as plain text, with the run's Model metrics tab opening on the
@@ -159,11 +160,6 @@ def client_series(client_id: int, series: str) -> str:
     return f"{CLIENT_SECTION}/{series}/client_{int(client_id)}"
 
 
-def model_metric(model: str, key: str) -> str:
-    """A figure measured when a model was logged, linked to it: ``model/client_3/head_acc``."""
-    return f"model/{model}/{key}"
-
-
 def actor_memory(actor: int, figure: str) -> str:
     """One client actor's memory at the end: ``system/actors/client_actor_<a>_<figure>``."""
     return f"system/actors/client_actor_{int(actor)}_{figure}"
@@ -175,7 +171,7 @@ def sweep_best(metric: str) -> str:
 
 
 _MADE = re.compile("|".join((r"train/[^/]+", r"server/(aggregate/)?[^/]+", r"eval/global_acc[^/]*",
-                              rf"{CLIENT_SECTION}/({'|'.join(CLIENT_SERIES)})/client_\d+", r"model/[^/]+/[^/]+",
+                              rf"{CLIENT_SECTION}/({'|'.join(CLIENT_SERIES)})/client_\d+",
                               rf"system/actors/client_actor_\d+_({'|'.join(ACTOR_MEMORY)})", r"best/.+")))
 
 

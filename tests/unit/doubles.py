@@ -1,4 +1,5 @@
-"""Test doubles shared by the unit tests: algorithm fixtures and the fake port policies are driven through."""
+"""Test doubles shared by the unit tests: algorithm fixtures, the fake port policies are driven
+through and the fake system model the virtual clock reads."""
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ class FakePort:
     by hand: an in-flight table ``{client: Pending}`` and a log of what the policy asked for
     (``logged``: the kinds of event recorded; a test of one decision logs only those)."""
 
-    EVENTS = ("dispatch", "submit", "step", "account", "offline", "deadline", "over_selection")
+    EVENTS = ("dispatch", "submit", "hand_over", "step", "account", "offline", "deadline", "over_selection")
 
     def __init__(self, clients: int, actor_of=None, rounds: int = 5, logged=EVENTS):
         from rayfed_proto.runtime.inflight import Pending
@@ -49,9 +50,15 @@ class FakePort:
     def accepting(self) -> bool:
         return self.version < self.rounds
 
+    def clients(self, kind: str) -> list[int]:
+        """The clients of the logged events of ``kind``, in order."""
+        return [c for what, *c in self.log if what == kind for c in c]
+
     def dispatch(self, client: int):
+        """A local update of ``client``; its update (``update_ref``) is ``(client, version it trains on)``."""
         self._note("dispatch", client)
-        p = self.in_flight[client] = self._pending(handler=None, kind="train", client=client)
+        p = self.in_flight[client] = self._pending(handler=None, kind="train", client=client,
+                                                   update_ref=(client, self.version))
         return p
 
     def dispatch_group(self, clients):
@@ -60,6 +67,10 @@ class FakePort:
     def submit(self, p, meta) -> None:
         self._note("submit", p.client)
         self.in_flight.pop(p.client, None)  # a test may have taken it out already (the update came back)
+
+    def hand_over(self, update, client: int, meta) -> bool:
+        self._note("hand_over", client)
+        return True
 
     def request_step(self) -> None:
         self._note("step")
@@ -79,3 +90,35 @@ class FakePort:
 
     def dropped_by_round(self, client: int, meta, reason: str) -> None:
         self._note(reason, client)
+
+
+class FakeSystem:
+    """What :class:`~rayfed_proto.runtime.simclock.VirtualClock` reads of a system model, by hand:
+    ``compute_s`` per client, transfers at ``bytes_per_s`` both ways, a server step of ``step_s``
+    simulated seconds, and ``windows``: ``{client: (start, end)}``, when a client is online (the
+    others always are)."""
+
+    def __init__(self, compute_s, bytes_per_s: float = 100.0, step_s: float = 0.0, windows=None):
+        self.compute_s = np.asarray(compute_s, float)
+        self.bytes_per_s, self.step_s, self.windows = bytes_per_s, step_s, dict(windows or {})
+
+    def compute_at(self, c, version=0):
+        return float(self.compute_s[c])
+
+    def update_duration(self, c, down, up, version=0):
+        return self.compute_at(c, version) + down / self.bytes_per_s + up / self.bytes_per_s
+
+    def server_step_s(self, updates, uploaders=0):
+        return self.step_s
+
+    def _online(self, c, t) -> bool:
+        return c not in self.windows or self.windows[c][0] <= t < self.windows[c][1]
+
+    def online_clients(self, candidates, t, rng):
+        return [c for c in candidates if self._online(c, t)]
+
+    def next_online_time(self, candidates, t):
+        """When one of ``candidates`` is online next (None: never again)."""
+        times = [t if c not in self.windows else max(self.windows[c][0], t)
+                 for c in candidates if c not in self.windows or t < self.windows[c][1]]
+        return min(times, default=None)

@@ -23,7 +23,7 @@ _PATH = re.compile(_BEFORE + r"((?:[A-Za-z_][\w]*/)*[A-Za-z_][\w]*\.py)(?![\w/])
 # the picture's rules (docs/architecture.md, "The layers")
 NEVER_RAY = ["algorithms/", "data/", "models/", "messages.py", "config.py", "registry.py", "numbers.py", "system.py",
              "optim.py", "runtime/core.py", "runtime/client_core.py", "runtime/server_core.py", "runtime/stepping.py",
-             "runtime/batched.py", "runtime/policies.py", "runtime/inflight.py",
+             "training/", "runtime/policies.py", "runtime/inflight.py",
              "runtime/simclock.py", "runtime/evaluations.py", "runtime/parking.py"]
 SHARED = {"async_weights", "base", "common", "schedules"}  # algorithms/ modules that are not methods
 

@@ -14,8 +14,8 @@ from rayfed_proto.config import ConfigError, build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.data.augment import BatchAugment, batch_augment, random_crop, random_flip
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime import batched
 from rayfed_proto.runtime.client_core import ClientHost, ClientRunner
+from rayfed_proto.training import batched
 
 CPU = torch.device("cpu")
 

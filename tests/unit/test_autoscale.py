@@ -54,7 +54,8 @@ def test_launcher_node_types_count_known_types_up_to_the_cluster_max(tmp_path):
     types_, cluster_max = autoscale.launcher_node_types(path)
     assert sorted(r["CPU"] for r, _ in types_) == [4, 8] and cluster_max == 3
     # largest (GPU) type first: 2 x (8 CPU, 1 GPU) + 1 x 4 CPU = 3 nodes, the cluster's max_workers
-    assert autoscale.grown_totals(types_, cluster_max) == {"CPU": 20.0, "GPU": 2.0}
+    grown = autoscale.launchable_nodes(types_, cluster_max, alive=[])
+    assert {k: sum(n[k] for n in grown) for k in ("CPU", "GPU")} == {"CPU": 20.0, "GPU": 2.0}
     assert autoscale.launcher_node_types(tmp_path / "absent.yaml") is None
 
 

@@ -1,4 +1,4 @@
-"""Batched clients (``resources.batch_clients``, runtime/batched.py): clients of one architecture
+"""Batched clients (``resources.batch_clients``, training/batched.py): clients of one architecture
 stepping as one vmapped model give what they give one after another, within float tolerance."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
 from rayfed_proto.data.base import ArrayDataset
 from rayfed_proto.messages import GlobalState
-from rayfed_proto.runtime import batched
 from rayfed_proto.runtime import client_core as core
 from rayfed_proto.runtime.client_core import ClientHost
 from rayfed_proto.runtime.policies import ServerNeeds
 from rayfed_proto.runtime.server_core import ServerCore
 from rayfed_proto.runtime.stepping import OnRequest
+from rayfed_proto.training import batched
 
 CPU = torch.device("cpu")
 BATCHED = ["fedavg", "fedproto", "fedtgp", "fedlsa", "fedsc"]

@@ -13,7 +13,7 @@ import jsonschema
 import ray
 import yaml
 
-from rayfed_proto.runtime.autoscale import grown_totals, launcher_node_types
+from rayfed_proto.runtime.autoscale import launchable_nodes, launcher_node_types
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,7 +142,8 @@ def test_autoscaler_starts_from_zero_and_runs_can_plan_from_the_node_types(tmp_p
     assert gpu["min_workers"] == 0 and gpu["min_workers"] <= gpu["max_workers"] <= cfg["max_workers"]
     # what the head's ~/ray_bootstrap_config.yaml will hold: the run reads the node types from it
     types, cluster_max = launcher_node_types(ROOT / "cluster.yaml")
-    assert grown_totals(types, cluster_max) == {"CPU": 32.0, "GPU": 4.0}
+    grown = launchable_nodes(types, cluster_max, alive=[])
+    assert {k: sum(n[k] for n in grown) for k in ("CPU", "GPU")} == {"CPU": 32.0, "GPU": 4.0}
 
 
 def test_head_profile_keeps_what_the_autoscaler_needs():

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from rayfed_proto.config import build_config
-from rayfed_proto.runtime.determinism import CUBLAS_WORKSPACE, apply_determinism, is_deterministic
+from rayfed_proto.runtime.determinism import CUBLAS_WORKSPACE, apply_determinism
+
+
+def is_deterministic() -> bool:
+    """Whether this process runs torch's deterministic kernels now."""
+    return torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
 
 
 @pytest.fixture
@@ -60,12 +65,15 @@ _ACTORS_ORDER = """
 import json, sys, torch
 from rayfed_proto.config import build_config
 from rayfed_proto.runtime import actors
-from rayfed_proto.runtime.determinism import apply_determinism, is_deterministic
+from rayfed_proto.runtime.determinism import apply_determinism
 from rayfed_proto.runtime.policies import ServerNeeds
 from rayfed_proto.runtime.stepping import OnRequest
 
 deterministic = sys.argv[1] == "true"
 order = []
+
+def is_deterministic():
+    return torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
 
 def record_apply(enabled):
     order.append(f"apply({enabled})")

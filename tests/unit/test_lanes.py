@@ -1,4 +1,4 @@
-"""Lanes (``resources.batch_clients: lanes``, runtime/batched.py): clients of one architecture
+"""Lanes (``resources.batch_clients: lanes``, training/batched.py): clients of one architecture
 queue for a few rows of one vmapped model; each client's result is what it computes alone."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rayfed_proto.config import ConfigError, build_config
-from rayfed_proto.runtime import batched
+from rayfed_proto.training import batched
 from tests.unit.test_batched_clients import (  # noqa: F401  (float64 and _one_thread are fixtures)
     BATCHED,
     CPU,

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from doubles import FakePort
+from doubles import FakePort, FakeSystem
 
 from rayfed_proto.config import build_config
 from rayfed_proto.data import load_dataset, make_partition
@@ -23,13 +23,6 @@ def fed(**over):
     return build_config({}, [f"federation.{k}={v}" for k, v in over.items()]).federation
 
 
-class FakeSystem:  # what VirtualClock reads of a system model
-    compute_s = np.ones(6)
-
-    def compute_at(self, c, version=0):
-        return float(self.compute_s[c])
-
-
 # ----------------------------------------------------------------------------- make_policy
 
 
@@ -41,12 +34,12 @@ def test_make_policy_is_the_one_reader_of_the_mode_and_declares_the_servers_need
     real = make_policy(fed(mode="async", buffer_size=3, max_staleness=7), None, seed=0, real_slots=2)
     assert isinstance(real, AsyncSlots) and real.concurrency == 2
     assert real.needs == ServerNeeds(ServerThread(3), max_staleness=7) and real.waits_for_versions
-    virtual = make_policy(fed(mode="async", buffer_size=3, num_clients=6, concurrency=4), FakeSystem(), seed=0, real_slots=2)
+    virtual = make_policy(fed(mode="async", buffer_size=3, num_clients=6, concurrency=4), FakeSystem(np.ones(6)), seed=0, real_slots=2)
     assert isinstance(virtual, VirtualAsync) and virtual.concurrency == 4 and virtual.clock is not None
     # no inline step: the policy steps the server when its simulated step ends (the server's time on the clock)
     assert virtual.needs == ServerNeeds(SimulatedSteps(3), max_staleness=20) and virtual.needs.buffer_size == 3
     assert not virtual.waits_for_versions
-    sync_clock = make_policy(fed(mode="sync"), FakeSystem(), seed=0, real_slots=2)
+    sync_clock = make_policy(fed(mode="sync"), FakeSystem(np.ones(6)), seed=0, real_slots=2)
     assert isinstance(sync_clock, SyncRounds) and sync_clock.clock is not None
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from rayfed_proto.config import ConfigError, build_config
+from rayfed_proto.runtime import autoscale
 from rayfed_proto.runtime.resources import assign_clients, plan_resources
 
 
@@ -82,9 +83,13 @@ def test_explicit_concurrency_is_capped_by_actor_count_and_threads_follow_cpus()
     assert p.torch_threads == 2
 
 
-def test_fractional_gpu_shares_must_fit_on_single_gpus():
-    from rayfed_proto.runtime.resources import gpu_requests_fit
+def gpu_requests_fit(requests: list[float], gpus: float) -> bool:
+    """Whether these GPU requests can be placed at once on one node of ``gpus`` GPUs, by the
+    autoscaler's own fit (whole requests take whole GPUs, a fractional one must fit on one GPU)."""
+    return autoscale.fits_on_nodes([{"GPU": r} for r in requests], [{"GPU": float(gpus)}])
 
+
+def test_fractional_gpu_shares_must_fit_on_single_gpus():
     # 5 x 0.4 = 2.0 GPUs in total, but only two 0.4 shares fit on one GPU: the fifth has no room
     assert not gpu_requests_fit([0.4] * 5, 2)
     assert gpu_requests_fit([0.33] * 6, 2) and not gpu_requests_fit([0.33] * 7, 2)
@@ -93,8 +98,6 @@ def test_fractional_gpu_shares_must_fit_on_single_gpus():
 
 
 def test_auto_gpu_share_packs_per_gpu():
-    from rayfed_proto.runtime.resources import gpu_requests_fit
-
     p = plan(["federation.num_clients=4"], cpus=8, gpus=2)  # 5 actors on 2 GPUs: 3 per GPU
     assert p.client_num_gpus == pytest.approx(0.33)
     assert gpu_requests_fit([p.server_num_gpus] + [p.client_num_gpus] * 4, 2)

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from doubles import FakePort, FakeSystem
 
 from rayfed_proto.algorithms import ALGORITHMS
 from rayfed_proto.algorithms.base import ServerPass, ServerSizes
@@ -16,56 +17,24 @@ from rayfed_proto.runtime.stepping import SimulatedSteps
 from rayfed_proto.system import SystemModel, server_speed, server_step_work_s
 
 
-class System:
-    """Clients of different speeds; a server step of ``step_s`` simulated seconds."""
-
-    def __init__(self, n: int, step_s: float):
-        self.compute_s = 10.0 + 7.0 * (np.arange(n) % 5)
-        self.step_s = step_s
-
-    def compute_at(self, c, version=0):
-        return float(self.compute_s[c])
-
-    def update_duration(self, c, down, up, version=0):
-        return self.compute_at(c, version)
-
-    def server_step_s(self, updates, uploaders=0):
-        return self.step_s
-
-    def online_clients(self, candidates, t, rng):
-        return list(candidates)
-
-
-class Federation:
-    """The scheduler's port with a server by hand: buffer, versions, staleness at submission."""
+class Federation(FakePort):
+    """The scheduler's port with a server by hand: buffer, versions, staleness at submission. A
+    client is in flight (not eligible) until its update is handed over or lost."""
 
     def __init__(self, policy, rounds: int, k: int):
-        self.version, self.rounds, self.k, self.policy = 0, rounds, k, policy
+        super().__init__(policy.num_clients, rounds=rounds, logged=())
+        self.k, self.policy = k, policy
         self.buffer, self.staleness, self.trained_on, self.versions_at = [], [], [], []
         self.arrived, self.dispatches = [], []  # updates in arrival order; (client, version, time) per dispatch
         self.taken = []  # per version: (client, base version) of the updates it aggregated
-        self.n = policy.num_clients
-        self.busy = set()
-
-    def accepting(self):
-        return self.version < self.rounds
-
-    def eligible(self, one_per_actor=False):
-        return [c for c in range(self.n) if c not in self.busy]
 
     def dispatch(self, client):
-        from rayfed_proto.runtime.inflight import Pending
-
-        self.busy.add(client)
         self.trained_on.append((client, self.version))
         self.dispatches.append((client, self.version, self.policy.clock.now))
-        return Pending(None, "train", client=client, update_ref=(client, self.version))
-
-    def account(self, client, meta):
-        pass
+        return super().dispatch(client)  # its update: (client, base version)
 
     def hand_over(self, update, client, meta):
-        self.busy.discard(client)
+        self.in_flight.pop(client)
         self.staleness.append(self.version - update[1])
         self.buffer.append(update)
         self.arrived.append(update)
@@ -85,11 +54,16 @@ class Federation:
         return sum(1 for at in self.versions_at if at <= t)
 
     def dropped_offline(self, client, meta):
-        self.busy.discard(client)
+        self.in_flight.pop(client)
+
+
+def system(n: int, step_s: float) -> FakeSystem:
+    """Clients of different speeds; a server step of ``step_s`` simulated seconds."""
+    return FakeSystem(10.0 + 7.0 * (np.arange(n) % 5), step_s=step_s)
 
 
 def run(step_s: float, rounds: int = 12, k: int = 3, n: int = 10, concurrency: int = 5, seed: int = 0):
-    clock = VirtualClock(System(n, step_s), seed)
+    clock = VirtualClock(system(n, step_s), seed)
     policy = VirtualAsync(n, concurrency, ServerNeeds(SimulatedSteps(k), math.inf),
                           np.random.default_rng(seed), clock)
     fed = Federation(policy, rounds, k)

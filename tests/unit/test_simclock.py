@@ -2,29 +2,15 @@
 
 import itertools
 
-import numpy as np
 import pytest
+from doubles import FakeSystem
 
 from rayfed_proto.runtime.simclock import VirtualClock
 
 
-class FakeSystem:
-    """compute_s per client; transfers at 100 bytes/s both ways; windows for client 2."""
-
-    def __init__(self, compute_s):
-        self.compute_s = np.asarray(compute_s, float)
-
-    def compute_at(self, c, version=0):
-        return float(self.compute_s[c])
-
-    def update_duration(self, c, down, up, version=0):
-        return self.compute_at(c, version) + down / 100.0 + up / 100.0
-
-    def online_clients(self, candidates, t, rng):
-        return [c for c in candidates if c != 2 or 50 <= t < 60]
-
-    def next_online_time(self, candidates, t):
-        return 50.0 if t < 50 else None
+def system(compute_s):
+    """compute_s per client; transfers at 100 bytes/s both ways; client 2 online in [50, 60) only."""
+    return FakeSystem(compute_s, bytes_per_s=100.0, windows={2: (50.0, 60.0)})
 
 
 def meta(down=0, up=0):
@@ -34,7 +20,7 @@ def meta(down=0, up=0):
 def run_order(return_order):
     """Three updates started at t=0 (compute 5, 1, 3 s; uploads 0, 600, 0 bytes): whatever order
     the real computations return in, releases follow simulated finish times 3 (c2), 5 (c0), 7 (c1)."""
-    clock = VirtualClock(FakeSystem([5.0, 1.0, 3.0]), seed=0)
+    clock = VirtualClock(system([5.0, 1.0, 3.0]), seed=0)
     entries = {c: clock.start(c, token=c) for c in range(3)}
     uploads = {0: 0, 1: 600, 2: 0}
     released = []
@@ -51,7 +37,7 @@ def test_release_order_is_simulated_finish_order_for_every_real_return_order(ord
 
 
 def test_an_entry_is_not_released_while_an_unfinished_one_may_finish_earlier():
-    clock = VirtualClock(FakeSystem([5.0, 1.0]), seed=0)
+    clock = VirtualClock(system([5.0, 1.0]), seed=0)
     slow, fast = clock.start(0, 0), clock.start(1, 1)
     clock.finish(slow, meta(), "u0")  # exact 5.0; client 1's lower bound 1.0 is smaller
     assert clock.pop_ready() is None
@@ -61,7 +47,7 @@ def test_an_entry_is_not_released_while_an_unfinished_one_may_finish_earlier():
 
 
 def test_ties_break_by_dispatch_order():
-    clock = VirtualClock(FakeSystem([2.0, 2.0]), seed=0)
+    clock = VirtualClock(system([2.0, 2.0]), seed=0)
     a, b = clock.start(0, 0), clock.start(1, 1)
     clock.finish(b, meta(), "u1")
     clock.finish(a, meta(), "u0")
@@ -69,7 +55,7 @@ def test_ties_break_by_dispatch_order():
 
 
 def test_offline_clients_are_not_offered_and_the_clock_waits_for_a_window():
-    clock = VirtualClock(FakeSystem([1.0, 1.0, 1.0]), seed=0)
+    clock = VirtualClock(system([1.0, 1.0, 1.0]), seed=0)
     assert clock.online([0, 1, 2]) == [0, 1]
     clock.wait_for_online([2])
     assert clock.now == 50.0 and clock.online([2]) == [2]
@@ -81,13 +67,13 @@ def test_offline_clients_are_not_offered_and_the_clock_waits_for_a_window():
 
 
 def test_state_round_trip_keeps_clock_draws_and_pending_updates():
-    clock = VirtualClock(FakeSystem([5.0, 1.0]), seed=3)
+    clock = VirtualClock(system([5.0, 1.0]), seed=3)
     e0, e1 = clock.start(0, 0), clock.start(1, 1)
     clock.finish(e0, meta(), "ref0")
     clock.finish(e1, meta(up=100), "ref1")
     clock.rng.random(4)
     state = clock.state_dict(resolve=lambda ref: "update-of-" + ref)
-    again = VirtualClock(FakeSystem([5.0, 1.0]), seed=99)
+    again = VirtualClock(system([5.0, 1.0]), seed=99)
     again.load_state_dict(state, store=lambda u: "new-" + u)
     assert again.now == clock.now and again.seq == clock.seq
     assert again.rng.random() == clock.rng.random()

@@ -8,6 +8,7 @@ import pickletools
 import numpy as np
 import pandas as pd
 import pytest
+from doubles import FakePort
 
 from rayfed_proto.config import ConfigError, build_config, semantic_issues
 from rayfed_proto.runtime.policies import ServerNeeds, SyncRounds, VirtualAsync
@@ -231,77 +232,34 @@ def test_a_dropped_pending_update_survives_a_checkpoint():
     assert (e2.dropped, e2.finish, e2.offline_at, e2.update) == (True, 4.0, 4.0, None)
 
 
-class Port:
-    """The scheduler's side of a policy, by hand."""
-
-    def __init__(self, n, rounds=10):
-        self.version, self.rounds, self.n = 0, rounds, n
-        self.dispatched, self.handed, self.dropped, self.steps, self.submitted = [], [], [], 0, []
-
-    def accepting(self):
-        return self.version < self.rounds
-
-    def dispatch(self, client):
-        from rayfed_proto.runtime.inflight import Pending
-
-        self.dispatched.append(client)
-        return Pending(lambda *a: None, "train", client=client)
-
-    def dispatch_group(self, clients):
-        return [self.dispatch(c) for c in clients]
-
-    def eligible(self, one_per_actor=False):
-        return list(range(self.n))
-
-    def account(self, client, meta):
-        pass
-
-    def hand_over(self, update, client, meta):
-        self.handed.append(client)
-        return True
-
-    def submit(self, p, meta):
-        self.submitted.append(p.client)
-
-    def request_step(self):
-        self.steps += 1
-
-    def dropped_offline(self, client, meta):
-        self.dropped.append(client)
-
-
 def test_virtual_async_drops_frees_the_slot_at_the_window_end_and_dispatches_a_replacement():
     # client 0 online [0, 5) only: its 10 s update is lost at 5; client 1 (no windows) replaces it then
     m = model({0: [(0.0, 5.0)]}, availability="csv", compute=(10.0, 3.0))
     policy = VirtualAsync(2, 1, ServerNeeds(SimulatedSteps(1), math.inf), np.random.default_rng(1), VirtualClock(m, seed=0))
-    port = Port(2)
+    port = FakePort(2, rounds=10)
     policy.bind(port)
     policy.fill()
-    assert port.dispatched == [0]  # the seeded choice (rng seed 1)
+    assert port.clients("dispatch") == [0]  # the seeded choice (rng seed 1)
     (e,) = policy.clock.entries.values()
-    policy.on_update(e.token, meta())
+    policy.on_update(port.in_flight.pop(e.client), meta())  # its computation came back
     policy.fill()
-    assert port.dropped == [0] and port.handed == [] and policy.clock.now == 5.0
-    assert port.dispatched == [0, 1]  # the replacement, at 5 s (client 0 is offline from then on)
+    assert port.clients("offline") == [0] and port.clients("hand_over") == [] and policy.clock.now == 5.0
+    assert port.clients("dispatch") == [0, 1]  # the replacement, at 5 s (client 0 is offline from then on)
     assert policy.clock.entries[1].start == 5.0 and policy.held_back() == 0
 
 
 def test_sync_round_goes_on_without_a_dropped_update_and_lasts_until_the_client_left():
     m = model({0: [(0.0, 5.0)]}, availability="csv", compute=(10.0, 3.0))
     policy = SyncRounds(2, 2, np.random.default_rng(0), VirtualClock(m, seed=0))
-    port = Port(2)
+    port = FakePort(2, rounds=10)
     policy.bind(port)
     policy.fill()
-    assert sorted(port.dispatched) == [0, 1]
-    entries = {e.client: e for e in policy.clock.entries.values()}
-    from rayfed_proto.runtime.inflight import Pending
-
+    assert sorted(port.clients("dispatch")) == [0, 1]
     for c in (0, 1):
-        p = Pending(lambda *a: None, "train", client=c, entry=entries[c])
-        policy.on_update(p, meta())
-    assert port.dropped == [0] and port.submitted == [1]
+        policy.on_update(port.in_flight.pop(c), meta())  # the computations came back
+    assert port.clients("offline") == [0] and port.clients("submit") == [1]
     policy.on_receipt({})  # client 1's receipt: the round is complete
-    assert port.steps == 1 and policy.round_end == 5.0  # max(3 s, client 0 gone at 5 s)
+    assert port.log.count(("step",)) == 1 and policy.round_end == 5.0  # max(3 s, client 0 gone at 5 s)
 
 
 # --------------------------------------------------------------------------- config

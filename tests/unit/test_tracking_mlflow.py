@@ -42,7 +42,6 @@ def test_the_table_makes_every_name_once():
     assert names.server_metric("train_s") == names.server_metric("server_train_s") == "server/aggregate/train_s"
     assert names.server_metric("proto_margin_min") != names.SERVER_PROTO_MARGIN_MIN
     assert names.client_series(3, "head_acc") == "zz_client/head_acc/client_3"
-    assert names.model_metric("client_3", "head_acc") == "model/client_3/head_acc"
     assert names.actor_memory(2, "pss_mib") == "system/actors/client_actor_2_pss_mib"
     assert names.sweep_best(names.EVAL_HEAD_ACC) == "best/eval/head_acc"
     assert all(n.split("/", 1)[0] in SECTIONS | {"sweep"} for n in names.NAMES)
@@ -286,7 +285,7 @@ def test_metric_sections_sort_global_first_and_the_per_client_sections_last():
     s = ClientSeries(20, limit=20, sample=5, seed=0)
     results = [{"client_id": c, "n": 10, "head_correct": 5, "proto_correct": 4, "train_loss": 0.5} for c in range(20)]
     keys = set(s.metrics(0, results)) | names.NAMES - {names.SWEEP_TRIALS, names.SWEEP_TRIALS_ERRORED}
-    keys |= {names.train_term("loss"), names.server_metric("global_acc"), names.model_metric("server", "global_acc")}
+    keys |= {names.train_term("loss"), names.server_metric("global_acc")}
     sections = sorted({k.rsplit("/", 1)[0] for k in keys})  # Python's str sort is code-point order, as JS's here
     assert sections[0] == "eval"
     client_sections = [x for x in sections if x.startswith(names.CLIENT_SECTION)]

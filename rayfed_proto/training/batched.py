@@ -38,6 +38,7 @@ import torch
 from torch.func import functional_call, grad_and_value, vmap
 
 from rayfed_proto.algorithms.base import ClientAlgorithm, TrainBatchIterator, TrainPrototypes
+from rayfed_proto.optim import adam_direction, sgd_direction
 
 _SGD, _ADAM = "sgd", "adam"
 
@@ -213,8 +214,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 class StackedOptimizer:
     """``training.optimizer`` (SGD with momentum, dampening, Nesterov and weight decay, or Adam) on
-    flat stacked parameters (:class:`FlatStack`): :mod:`rayfed_proto.optim`'s arithmetic on the rows
-    of a group step, with a client whose step was not applied (non-finite) left as its own optimizer
+    flat stacked parameters (:class:`FlatStack`): :mod:`rayfed_proto.optim`'s update rules
+    (:func:`~rayfed_proto.optim.sgd_direction`, :func:`~rayfed_proto.optim.adam_direction`, the ones
+    LeanSGD and LeanAdam apply) on the rows of a group step, out of place, with a client whose step was not applied (non-finite) left as its own optimizer
     would have left it by ``torch.where`` on the device, so a step reads nothing on the host. The
     per-client bookkeeping (momentum started, Adam's step count) is a device tensor too, and Adam's
     bias corrections are computed per row in float64 from it. State is read from and written back
@@ -323,31 +325,23 @@ class StackedOptimizer:
             self.stack.flat[j].index_copy_(0, idx, new)
 
     def _sgd(self, j, p, grad, idx, whole, ok, started):
-        # torch.optim.SGD / optim.LeanSGD on the rows
-        g = self.group
-        if g["weight_decay"] != 0:
-            grad = grad.add(p, alpha=g["weight_decay"])
-        if g["momentum"] != 0:
-            old = self.buf[j] if whole else self.buf[j][idx]
-            buf = torch.where(started, old.mul(g["momentum"]).add_(grad, alpha=1 - g["dampening"]), grad)
+        # torch.optim.SGD's update rule (optim.sgd_direction, shared with optim.LeanSGD) on the rows
+        old = (self.buf[j] if whole else self.buf[j][idx]) if started is not None else None
+        direction, buf = sgd_direction(p, grad, old, self.group, started=started, inplace=False)
+        if buf is not None:
             self._store(self.buf[j], torch.where(ok, buf, old), idx, whole)
-            grad = grad.add(buf, alpha=g["momentum"]) if g["nesterov"] else buf
-        self._apply(j, p, grad, -g["lr"], idx, whole, ok)
+        self._apply(j, p, direction, -self.group["lr"], idx, whole, ok)
 
     def _adam(self, j, p, grad, idx, whole, ok, step):
-        # torch.optim.Adam / optim.LeanAdam (Kingma & Ba, Alg. 1, coupled weight decay) on the rows,
-        # each with its own step count
+        # torch.optim.Adam's update rule (Kingma & Ba, Alg. 1, coupled weight decay; optim.adam_direction,
+        # shared with optim.LeanAdam) on the rows, each with its own step count
         g = self.group
         beta1, beta2 = g["betas"]
         neg_step_size = _rows((-g["lr"] / (1 - torch.pow(beta1, step))).to(p.dtype))
         bias_correction2_sqrt = _rows((1 - torch.pow(beta2, step)).sqrt().to(p.dtype))
-        if g["weight_decay"] != 0:
-            grad = grad.add(p, alpha=g["weight_decay"])
         m_old = self.exp_avg[j] if whole else self.exp_avg[j][idx]
         v_old = self.exp_avg_sq[j] if whole else self.exp_avg_sq[j][idx]
-        m = m_old.lerp(grad, 1 - beta1)
-        v = v_old.mul(beta2).addcmul_(grad, grad, value=1 - beta2)
-        denom = (v.sqrt() / bias_correction2_sqrt).add_(g["eps"])
+        m, v, denom = adam_direction(p, grad, m_old, v_old, g, bias_correction2_sqrt, inplace=False)
         self._store(self.exp_avg[j], torch.where(ok, m, m_old), idx, whole)
         self._store(self.exp_avg_sq[j], torch.where(ok, v, v_old), idx, whole)
         self._apply(j, p, m.div(denom), neg_step_size, idx, whole, ok)
